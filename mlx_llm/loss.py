@@ -1,0 +1,70 @@
+"""Losses and the five ways to report them (M20 §10, U19 §2).
+
+All in at least float32 (float64 in tests), with max-shifted log-sum-exp (M20 §9).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mlx_llm.errors import InputError
+
+
+def _acc(x: jax.Array) -> jax.Array:
+    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
+def log_softmax(logits_BTV: jax.Array) -> jax.Array:
+    """log p = Λ − logsumexp(Λ), with the row maximum subtracted first (M20 §9)."""
+    x = _acc(logits_BTV)
+    z = x - jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))
+    return z - jnp.log(jnp.sum(jnp.exp(z), axis=-1, keepdims=True))
+
+
+def token_nll(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
+    """Per-token surprise −log p(x_t | x_<t) = logsumexp(Λ_{t−1}) − Λ_{t−1, x_t} (M20 §10), in nats."""
+    logp_BTV = log_softmax(logits_BTV)
+    return -jnp.take_along_axis(logp_BTV, targets_BT[..., None].astype(jnp.int32), axis=-1)[..., 0]
+
+
+def _check_mask(mask_BT) -> None:
+    if isinstance(mask_BT, jax.core.Tracer):
+        return  # traced: an empty mask gives 0/0 = NaN, which the training loop reports
+    if not np.any(np.asarray(mask_BT)):
+        raise InputError("the loss mask selects no target (sum of mask = 0): the mean loss is undefined (M20 §10)")
+
+
+def masked_cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array) -> jax.Array:
+    """M20 §10: L = −(1/n) Σ_t b_t log p(x_t | x_<t), n = Σ b_t over the whole batch (token-averaged).
+
+    An all-zero mask raises ``InputError`` (the mean is undefined, M20 §10).
+    """
+    _check_mask(mask_BT)
+    nll_BT = token_nll(logits_BTV, targets_BT)
+    b_BT = jnp.asarray(mask_BT).astype(nll_BT.dtype)
+    return jnp.sum(b_BT * nll_BT) / jnp.sum(b_BT)
+
+
+def sequence_log_likelihood(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array) -> jax.Array:
+    """Per-sequence Σ_t b_t log p(x_t | x_<t) (M20 §10 chain rule; DPO's ℓ_θ(y | c), M20 §16), shape (B,)."""
+    nll_BT = token_nll(logits_BTV, targets_BT)
+    return -jnp.sum(jnp.asarray(mask_BT).astype(nll_BT.dtype) * nll_BT, axis=-1)
+
+
+def perplexity(loss_nats):
+    """e^L: the die with this many faces (U19 §2)."""
+    return jnp.exp(loss_nats)
+
+
+def bits_per_token(loss_nats):
+    """L / ln 2 (U19 §2)."""
+    return loss_nats / math.log(2.0)
+
+
+def bits_per_byte(total_nll_nats, n_bytes):
+    """Total surprise of a text in bits divided by its UTF-8 byte count: comparable across tokenizers."""
+    return total_nll_nats / (math.log(2.0) * n_bytes)

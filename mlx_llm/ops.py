@@ -1,0 +1,88 @@
+"""The equations of the dense block (M20 §4–§7), as pure functions of arrays.
+
+Shape letters (DESIGN §3): B batch, T query positions, S key positions, D model width, H query heads,
+G key/value heads, R query heads per key/value head, K head width, F FFN width.
+Normalisation, softmax and log-sum-exp run in at least float32 whatever the compute dtype.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def _accum_dtype(dtype) -> jnp.dtype:
+    """float32 for bf16/f16/f32 inputs, float64 for float64 inputs (tests)."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def rms_norm(h_BTD: jax.Array, gamma_D: jax.Array, eps: float) -> jax.Array:
+    """M20 §4: N_γ(h) = γ ⊙ h / ρ(h), ρ(h) = sqrt(mean(h²) + ε), row by row."""
+    h = h_BTD.astype(_accum_dtype(h_BTD.dtype))
+    rho = jnp.sqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
+    return (gamma_D.astype(h.dtype) * (h / rho)).astype(h_BTD.dtype)
+
+
+def rope_frequencies(d_head: int, base: float, dtype=jnp.float32) -> jax.Array:
+    """M20 §5 / U19 §7: ω_i = base^(-2i/d_h), i = 0 … d_h/2 − 1."""
+    i = jnp.arange(d_head // 2, dtype=dtype)
+    return jnp.asarray(base, dtype) ** (-2.0 * i / d_head)
+
+
+def rope(x_BTHK: jax.Array, positions_BT: jax.Array, base: float, scale: float = 1.0) -> jax.Array:
+    """M20 §5 rotate_half RoPE: pair (a, b) = (x_i, x_{i+K/2}) turns by angle (scale·p)·ω_i.
+
+    ``scale`` < 1 is position interpolation (U19 §7): position p acts as scale·p.
+    """
+    k = x_BTHK.shape[-1]
+    dtype = _accum_dtype(x_BTHK.dtype)
+    omega = rope_frequencies(k, base, dtype)
+    angle_BTK = (positions_BT.astype(dtype) * scale)[..., None] * omega
+    cos, sin = jnp.cos(angle_BTK)[:, :, None, :], jnp.sin(angle_BTK)[:, :, None, :]
+    x = x_BTHK.astype(dtype)
+    a, b = x[..., : k // 2], x[..., k // 2 :]
+    return jnp.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1).astype(x_BTHK.dtype)
+
+
+def causal_mask(segment_ids_BT: jax.Array | None, batch: int, length: int) -> jax.Array:
+    """M20 §6 mask M as booleans (True = may read): key r ≤ query i, and, for packed windows,
+    only keys of the same document (M20 §2: packing needs extra attention boundaries)."""
+    idx = jnp.arange(length)
+    allowed_TS = idx[None, :] <= idx[:, None]
+    mask_BTS = jnp.broadcast_to(allowed_TS, (batch, length, length))
+    if segment_ids_BT is not None:
+        mask_BTS = mask_BTS & (segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :])
+    return mask_BTS
+
+
+def attention(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, mask_BTS: jax.Array) -> jax.Array:
+    """M20 §6 causal GQA attention: S_j = Q̃_j K̃_g(j)ᵀ/√d_h + M, A_j = softmax_row(S_j), O_j = A_j V_g(j).
+
+    Query head j reads key/value head g(j) = ⌊j / R⌋, R = H/G: heads are grouped, never averaged.
+    ``mask_BTS`` is boolean; masked scores get the most negative finite value so a fully masked row
+    (padding) gives finite, ignorable output instead of NaN.
+    """
+    b, t, h, k = q_BTHK.shape
+    g = k_BSGK.shape[2]
+    q_BTGRK = q_BTHK.reshape(b, t, g, h // g, k)
+    acc = _accum_dtype(q_BTHK.dtype)
+    scores_BGRTS = jnp.einsum("btgrk,bsgk->bgrts", q_BTGRK, k_BSGK, preferred_element_type=acc)
+    scores_BGRTS = scores_BGRTS / jnp.sqrt(jnp.asarray(k, acc))
+    scores_BGRTS = jnp.where(mask_BTS[:, None, None], scores_BGRTS, jnp.finfo(acc).min)
+    probs_BGRTS = softmax(scores_BGRTS, axis=-1).astype(v_BSGK.dtype)
+    o_BTGRK = jnp.einsum("bgrts,bsgk->btgrk", probs_BGRTS, v_BSGK, preferred_element_type=acc)
+    return o_BTGRK.reshape(b, t, h, k).astype(q_BTHK.dtype)
+
+
+def softmax(x: jax.Array, axis: int = -1) -> jax.Array:
+    """Max-shifted softmax (M20 §9): subtracting the row maximum leaves it unchanged and prevents overflow."""
+    z = x - jax.lax.stop_gradient(jnp.max(x, axis=axis, keepdims=True))
+    e = jnp.exp(z)
+    return e / jnp.sum(e, axis=axis, keepdims=True)
+
+
+def swiglu(y_BTD: jax.Array, w_gate_DF: jax.Array, w_up_DF: jax.Array, w_down_FD: jax.Array) -> jax.Array:
+    """M20 §7: F(Y) = [SiLU(Y W_gate) ⊙ (Y W_up)] W_down, SiLU(a) = a σ(a)."""
+    a_BTF = y_BTD @ w_gate_DF
+    u_BTF = y_BTD @ w_up_DF
+    return (jax.nn.silu(a_BTF) * u_BTF) @ w_down_FD

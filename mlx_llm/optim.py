@@ -1,0 +1,76 @@
+"""AdamW with global clipping and decay groups (M20 §12), as one optax chain, plus schedules."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import traverse_util
+
+from mlx_llm.errors import ConfigError
+
+Schedule = Callable[[jax.Array], jax.Array]
+
+
+def is_norm_gain(path: tuple[str, ...]) -> bool:
+    """Normalisation gains are named ``*norm`` in the parameter layout (attn_norm, ffn_norm, final_norm)."""
+    return path[-1].endswith("norm")
+
+
+def decay_mask(params) -> dict:
+    """True where AdamW applies weight decay: every matrix (embeddings included), never a norm gain.
+
+    Built from parameter paths, not ranks: stacked gains are (L, d) arrays yet must not decay.
+    """
+    flat = traverse_util.flatten_dict(params)
+    return traverse_util.unflatten_dict({path: not is_norm_gain(path) for path in flat})
+
+
+def make_optimizer(learning_rate: float | Schedule, *, b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8,
+                   weight_decay: float = 0.1, clip_norm: float | None = 1.0) -> optax.GradientTransformation:
+    """M20 §12: g̃ = g·min(1, c/‖g‖₂) over all trainable scalars, then AdamW
+    θ_s = (1 − η_s λ) θ_{s−1} − η_s m̂_s / (√v̂_s + ε), with λ on matrices only (``decay_mask``).
+
+    ``clip_norm=None`` disables clipping. ``learning_rate`` is a float or a schedule of the step count.
+    """
+    for name, value, ok in (("b1", b1, 0 <= b1 < 1), ("b2", b2, 0 <= b2 < 1), ("eps", eps, eps > 0),
+                            ("weight_decay", weight_decay, weight_decay >= 0)):
+        if not ok:
+            raise ConfigError(f"make_optimizer: {name} = {value!r} is invalid (b1, b2 in [0, 1); eps > 0; "
+                              f"weight_decay >= 0)")
+    if clip_norm is not None and not clip_norm > 0:
+        raise ConfigError(f"make_optimizer: clip_norm = {clip_norm!r} is invalid: it must be > 0 or None")
+    adamw = optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask)
+    if clip_norm is None:
+        return adamw
+    return optax.chain(optax.clip_by_global_norm(clip_norm), adamw)
+
+
+def warmup_cosine(peak: float, warmup_steps: int, total_steps: int, final_fraction: float = 0.1) -> Schedule:
+    """η for update number s = 0, 1, 2, … (optax's count):
+
+    - warmup, s < W:         η = peak·(s + 1)/W   (the first update already moves; none is wasted at η = 0)
+    - cosine, W ≤ s < S:     η = peak·[f + (1 − f)·(1 + cos(π (s − W)/(S − W)))/2]
+    - after the end, s ≥ S:  η = peak·f
+    """
+    if not (peak > 0 and math.isfinite(peak)):
+        raise ConfigError(f"warmup_cosine: peak = {peak!r} must be a finite number > 0")
+    if not (isinstance(warmup_steps, int) and 0 <= warmup_steps <= total_steps):
+        raise ConfigError(f"warmup_cosine: warmup_steps = {warmup_steps!r} must be an integer in [0, total_steps = "
+                          f"{total_steps}]")
+    if not (isinstance(total_steps, int) and total_steps >= 1):
+        raise ConfigError(f"warmup_cosine: total_steps = {total_steps!r} must be a positive integer")
+    if not 0 <= final_fraction <= 1:
+        raise ConfigError(f"warmup_cosine: final_fraction = {final_fraction!r} must be in [0, 1]")
+
+    def schedule(count):
+        s = jnp.asarray(count).astype(jnp.result_type(float))  # float64 when x64 is on
+        warm = peak * (s + 1) / max(warmup_steps, 1)
+        progress = jnp.clip((s - warmup_steps) / max(total_steps - warmup_steps, 1), 0.0, 1.0)
+        cosine = peak * (final_fraction + (1 - final_fraction) * 0.5 * (1 + jnp.cos(jnp.pi * progress)))
+        return jnp.where(s < warmup_steps, warm, cosine)
+
+    return schedule
