@@ -1,0 +1,337 @@
+"""Tokenizers: text ↔ token ids, outside the differentiable forward pass (M20 §2).
+
+Two kinds share one interface (``Tokenizer``):
+
+- ``BPETokenizer``: byte-level byte-pair encoding (Sennrich et al. 2016, "Neural Machine Translation of Rare
+  Words with Subword Units"; byte-level alphabet as in GPT-2, Radford et al. 2019) trained with Hugging Face
+  ``tokenizers``. No normaliser and no added prefix space, so ``decode(encode(text)) == text`` for any text.
+- ``ByteTokenizer``: ids 0..255 are the UTF-8 bytes, the special tokens follow.
+
+Special tokens (BOS, EOS, PAD and the chat markers reserved for SFT) are never produced from plain text:
+``encode("<|bos|>")`` spells the characters. Pass ``parse_special=True`` to turn marker strings into their ids.
+``decode`` writes special ids as their strings (unless ``skip_special=True``), so round trips stay exact.
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from mlx_llm.errors import ConfigError, DataError, InputError
+
+BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
+CHAT_MARKERS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
+SPECIAL_TOKENS = (BOS, EOS, PAD) + CHAT_MARKERS
+TOKENIZER_FILE = "tokenizer.json"
+_BYTE_TYPE = "mlx_llm.byte"
+
+
+def _check_text(text) -> None:
+    if not isinstance(text, str):
+        raise InputError(f"text must be a str, got {type(text).__name__}")
+
+
+def _utf8(text: str) -> bytes:
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise InputError(
+            f"text is not encodable as UTF-8 ({err.reason} at character {err.start}: {text[err.start]!r}); "
+            "only valid Unicode text (no lone surrogates) can be tokenized"
+        ) from None
+
+
+def tokenizer_path(path) -> Path:
+    """``path`` itself when it names a ``.json`` file, else ``path / tokenizer.json`` (a run directory)."""
+    path = Path(path)
+    return path if path.suffix == ".json" else path / TOKENIZER_FILE
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class Tokenizer(abc.ABC):
+    """What the data pipeline, trainer and sampler rely on. Ids are ``np.int32`` arrays."""
+
+    special_tokens: tuple[str, ...]
+
+    # ----- what each kind implements ------------------------------------------------------------
+    @property
+    @abc.abstractmethod
+    def vocab_size(self) -> int:
+        """Number of ids, specials included: the model's V."""
+
+    @abc.abstractmethod
+    def token_id(self, token: str) -> int:
+        """Id of a special token string."""
+
+    @abc.abstractmethod
+    def _encode_plain_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """Encode texts with no special-token parsing."""
+
+    @abc.abstractmethod
+    def _decode_plain(self, ids: np.ndarray) -> str:
+        """Decode ids that contain no special id."""
+
+    @abc.abstractmethod
+    def to_json(self) -> str:
+        """The serialised tokenizer: what ``save`` writes and ``fingerprint`` hashes."""
+
+    @abc.abstractmethod
+    def token_byte_lengths(self) -> np.ndarray:
+        """(V,) int32: UTF-8 bytes each id stands for; 0 for special tokens (bits-per-byte counting)."""
+
+    # ----- shared behaviour ----------------------------------------------------------------------
+    @property
+    def special_ids(self) -> dict[str, int]:
+        return {t: self.token_id(t) for t in self.special_tokens}
+
+    @property
+    def bos_id(self) -> int:
+        return self.token_id(BOS)
+
+    @property
+    def eos_id(self) -> int:
+        return self.token_id(EOS)
+
+    @property
+    def pad_id(self) -> int:
+        return self.token_id(PAD)
+
+    def encode(self, text: str, *, parse_special: bool = False) -> np.ndarray:
+        """Text → (n,) int32 ids. No BOS/EOS is added; marker strings stay text unless ``parse_special``."""
+        _check_text(text)
+        if not parse_special:
+            return self.encode_batch([text])[0]
+        pieces = re.split("(" + "|".join(map(re.escape, self.special_tokens)) + ")", text)
+        specials = self.special_ids
+        plain = self.encode_batch([p for p in pieces if p not in specials])
+        plain_iter = iter(plain)
+        out = [np.array([specials[p]], np.int32) if p in specials else next(plain_iter) for p in pieces]
+        return np.concatenate(out).astype(np.int32)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """Many texts at once (parallel for BPE); no special-token parsing."""
+        texts = list(texts)
+        for t in texts:
+            _check_text(t)
+            _utf8(t)
+        return self._encode_plain_batch(texts)
+
+    def decode(self, ids, *, skip_special: bool = False) -> str:
+        """Ids → text. Special ids are written as their strings, or dropped with ``skip_special``."""
+        ids_n = self._check_ids(ids)
+        specials = {i: t for t, i in self.special_ids.items()}
+        out, start = [], 0
+        for k in np.flatnonzero(np.isin(ids_n, list(specials))).tolist():
+            out.append(self._decode_plain(ids_n[start:k]))
+            out.append("" if skip_special else specials[int(ids_n[k])])
+            start = k + 1
+        out.append(self._decode_plain(ids_n[start:]))
+        return "".join(out)
+
+    def _check_ids(self, ids) -> np.ndarray:
+        ids_n = np.asarray(ids)
+        if ids_n.size == 0:
+            return np.zeros((0,), np.int64)
+        if ids_n.ndim != 1 or not np.issubdtype(ids_n.dtype, np.integer):
+            raise InputError(f"ids must be a 1-D sequence of integers, got shape {ids_n.shape} dtype {ids_n.dtype}")
+        bad = (ids_n < 0) | (ids_n >= self.vocab_size)
+        if bad.any():
+            raise InputError(
+                f"token id {int(ids_n[bad][0])} is out of range: valid ids are 0..{self.vocab_size - 1}"
+            )
+        return ids_n.astype(np.int64)
+
+    def save(self, path) -> Path:
+        """Write atomically to ``path`` (a ``.json`` file, or a directory → ``tokenizer.json``); returns the file."""
+        target = tokenizer_path(path)
+        _atomic_write_text(target, self.to_json())
+        return target
+
+    def fingerprint(self) -> str:
+        """SHA-256 of the serialised tokenizer: equal tokenizers give equal keys (cache keys)."""
+        return hashlib.sha256(self.to_json().encode("utf-8")).hexdigest()
+
+
+class ByteTokenizer(Tokenizer):
+    """Ids 0..255 are UTF-8 bytes; ``special_tokens`` take 256, 257, …"""
+
+    def __init__(self, special_tokens: Sequence[str] = SPECIAL_TOKENS):
+        _check_specials(special_tokens)
+        self.special_tokens = tuple(special_tokens)
+        self._special_index = {t: 256 + k for k, t in enumerate(self.special_tokens)}
+
+    @property
+    def vocab_size(self) -> int:
+        return 256 + len(self.special_tokens)
+
+    def token_id(self, token: str) -> int:
+        if token not in self._special_index:
+            raise InputError(f"{token!r} is not a special token of this tokenizer: {list(self.special_tokens)}")
+        return self._special_index[token]
+
+    def _encode_plain_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.frombuffer(t.encode("utf-8"), np.uint8).astype(np.int32) for t in texts]
+
+    def _decode_plain(self, ids: np.ndarray) -> str:
+        # Errors can only come from a partial multi-byte character (a cut id sequence).
+        return ids.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+    def token_byte_lengths(self) -> np.ndarray:
+        return np.concatenate([np.ones(256, np.int32), np.zeros(len(self.special_tokens), np.int32)])
+
+    def to_json(self) -> str:
+        return json.dumps({"type": _BYTE_TYPE, "version": 1, "special_tokens": list(self.special_tokens)}, indent=2)
+
+
+class BPETokenizer(Tokenizer):
+    """A Hugging Face byte-level BPE ``tokenizers.Tokenizer`` behind the common interface."""
+
+    def __init__(self, hf_tokenizer, special_tokens: Sequence[str] = SPECIAL_TOKENS):
+        _check_specials(special_tokens)
+        self.special_tokens = tuple(special_tokens)
+        self._hf = hf_tokenizer
+        self._hf.encode_special_tokens = True  # marker strings in plain text are spelled, never parsed
+        missing = [t for t in self.special_tokens if self._hf.token_to_id(t) is None]
+        if missing:
+            raise DataError(f"the BPE tokenizer lacks the special tokens {missing}; it must define {list(self.special_tokens)}")
+
+    @property
+    def hf(self):
+        """The underlying ``tokenizers.Tokenizer`` (read it, do not mutate it)."""
+        return self._hf
+
+    @property
+    def vocab_size(self) -> int:
+        return self._hf.get_vocab_size(with_added_tokens=True)
+
+    def token_id(self, token: str) -> int:
+        i = self._hf.token_to_id(token) if token in self.special_tokens else None
+        if i is None:
+            raise InputError(f"{token!r} is not a special token of this tokenizer: {list(self.special_tokens)}")
+        return i
+
+    def _encode_plain_batch(self, texts: list[str]) -> list[np.ndarray]:
+        encodings = self._hf.encode_batch_fast(texts, add_special_tokens=False)
+        return [np.asarray(e.ids, np.int32) for e in encodings]
+
+    def _decode_plain(self, ids: np.ndarray) -> str:
+        return self._hf.decode(ids.tolist(), skip_special_tokens=False)
+
+    def token_byte_lengths(self) -> np.ndarray:
+        # Byte-level BPE spells every byte as one character, so a token's byte count is its length.
+        specials = set(self.special_ids.values())
+        return np.array(
+            [0 if i in specials else len(self._hf.id_to_token(i)) for i in range(self.vocab_size)], np.int32
+        )
+
+    def to_json(self) -> str:
+        return self._hf.to_str(pretty=False)
+
+
+def _check_specials(special_tokens: Sequence[str]) -> None:
+    tokens = list(special_tokens)
+    if not all(isinstance(t, str) and t for t in tokens) or len(set(tokens)) != len(tokens):
+        raise ConfigError(f"special_tokens = {tokens!r} is invalid: it must list distinct non-empty strings")
+    for required in (BOS, EOS, PAD):
+        if required not in tokens:
+            raise ConfigError(f"special_tokens = {tokens!r} is invalid: it must include {required!r}")
+
+
+def min_bpe_vocab_size(special_tokens: Sequence[str] = SPECIAL_TOKENS) -> int:
+    """The smallest vocabulary ``train_bpe`` accepts: 256 bytes + the specials + one merge."""
+    return 256 + len(special_tokens) + 1
+
+
+def train_bpe(
+    texts: Iterable[str],
+    vocab_size: int,
+    *,
+    min_frequency: int = 2,
+    special_tokens: Sequence[str] = SPECIAL_TOKENS,
+    max_token_length: int | None = None,
+) -> BPETokenizer:
+    """Learn byte-level BPE merges on ``texts`` until ``vocab_size`` ids exist (specials and 256 bytes included).
+
+    On a small corpus the merges can run out first (no pair seen ``min_frequency`` times): the result's
+    ``vocab_size`` is then smaller than asked. Deterministic for the same texts in the same order.
+    """
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+
+    _check_specials(special_tokens)
+    lowest = min_bpe_vocab_size(special_tokens)
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < lowest:
+        raise ConfigError(
+            f"BPE vocab_size = {vocab_size!r} is invalid: it must be an integer ≥ {lowest} "
+            f"(256 byte tokens + {len(special_tokens)} special tokens + at least one merge)"
+        )
+    if isinstance(min_frequency, bool) or not isinstance(min_frequency, int) or min_frequency < 1:
+        raise ConfigError(f"min_frequency = {min_frequency!r} is invalid: it must be a positive integer")
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    hf.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=list(special_tokens),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        max_token_length=max_token_length,
+        show_progress=False,
+    )
+    hf.train_from_iterator(_checked_texts(texts), trainer)
+    return BPETokenizer(hf, special_tokens)
+
+
+def _checked_texts(texts: Iterable[str]):
+    for t in texts:
+        _check_text(t)
+        yield t
+
+
+def load(path) -> Tokenizer:
+    """Load either kind from ``path`` (a ``tokenizer.json`` file or the run directory holding it)."""
+    target = tokenizer_path(path)
+    if not target.is_file():
+        raise DataError(f"tokenizer file not found: {target} (save one with Tokenizer.save or train_bpe first)")
+    text = target.read_text(encoding="utf-8")
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise DataError(f"tokenizer file {target} is not valid JSON: {err}") from None
+    if not (isinstance(obj, dict) and (obj.get("type") == _BYTE_TYPE or "model" in obj)):
+        raise DataError(f"tokenizer file {target} is neither a byte tokenizer nor a Hugging Face tokenizer.json")
+    if obj.get("type") == _BYTE_TYPE:
+        specials = obj.get("special_tokens", list(SPECIAL_TOKENS))
+    else:
+        specials = [t["content"] for t in obj.get("added_tokens", []) if t.get("special")]
+    try:
+        _check_specials(specials)
+    except ConfigError as err:
+        raise DataError(f"tokenizer file {target}: {err}") from None
+    if obj.get("type") == _BYTE_TYPE:
+        return ByteTokenizer(specials)
+    from tokenizers import Tokenizer as HFTokenizer
+
+    try:
+        hf = HFTokenizer.from_str(text)
+    except Exception as err:  # the Rust side raises its own exception type
+        raise DataError(f"tokenizer file {target} could not be read by tokenizers: {err}") from None
+    return BPETokenizer(hf, specials)
