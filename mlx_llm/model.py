@@ -126,7 +126,8 @@ def block(h_BTD, layer, cfg: ModelConfig, positions_BT, mask_BTS) -> jax.Array:
 def logits_from_hidden(h_BTD, params: Params, cfg: ModelConfig) -> jax.Array:
     """M20 §8: R = N_γo(H⁽ᴸ⁾), Λ = R U."""
     r_BTD = rms_norm(h_BTD, params["final_norm"], cfg.norm_eps)
-    return r_BTD @ unembed_matrix(params, cfg)
+    acc = jnp.promote_types(r_BTD.dtype, jnp.float32)  # logits leave in ≥ float32 for softmax and loss
+    return jnp.einsum("btd,dv->btv", r_BTD, unembed_matrix(params, cfg), preferred_element_type=acc)
 
 
 def hidden_states(params: Params, tokens_BT, cfg: ModelConfig, *, positions_BT=None, segment_ids_BT=None):

@@ -65,7 +65,7 @@ def test_invalid_configs(change, message):
 
 
 def test_json_errors(tmp_path):
-    with pytest.raises(ConfigError, match=r"does not exist"):
+    with pytest.raises(ConfigError, match=r"ModelConfig file .*missing.json. does not exist"):
         ModelConfig.from_json(tmp_path / "missing.json")
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")

@@ -1,0 +1,151 @@
+"""The ``mlx-llm`` command: train, eval, generate.
+
+Every user error (an ``MLXLLMError``, a bad flag, an unreadable file) prints one line naming the problem and
+the fix on stderr and exits with status 2, without a traceback; nothing already written is overwritten.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+from mlx_llm.config import COMPUTE_DTYPES, ModelConfig, TrainConfig
+from mlx_llm.errors import MLXLLMError
+
+# The main job: about 5 minutes on 2 CPU cores (README, "Main job"). vocab_size follows the tokenizer.
+MAIN_JOB_MODEL = ModelConfig(vocab_size=4096, d_model=256, n_layers=4, n_heads=8, n_kv_heads=2, d_head=32,
+                             d_ff=704, max_seq_len=512, tie_embeddings=True)
+MAIN_JOB_TRAIN = TrainConfig(batch_size=16, seq_len=256, steps=600, lr=3e-3, warmup_steps=30,
+                             final_lr_fraction=0.1, eval_interval=200, eval_tokens=0, checkpoint_interval=100)
+MAIN_JOB_VOCAB = 4096
+
+# flags that override a TrainConfig field (flag name → field)
+TRAIN_FLAGS = {"steps": int, "batch_size": int, "seq_len": int, "lr": float, "warmup_steps": int,
+               "grad_accum": int, "eval_interval": int, "eval_tokens": int, "checkpoint_interval": int,
+               "keep_checkpoints": int, "seed": int, "compute_dtype": str, "weight_decay": float,
+               "clip_norm": float, "log_interval": int}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not usage + message
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="mlx-llm", description="Train, evaluate and sample a MiniLLM.")
+    sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    tr = sub.add_parser("train", help="train a model (defaults: the ~5-minute main job on the Python stdlib)")
+    tr.add_argument("--config", type=Path, help="model config.json (default: the main job's model)")
+    tr.add_argument("--train-config", type=Path, help="train_config.json (default: the main job's settings)")
+    tr.add_argument("--data", help="a text file, a directory (recursive) or a glob (default: the Python stdlib)")
+    tr.add_argument("--extensions", default=".py,.txt,.md", help="file extensions for a directory (default %(default)s)")
+    tr.add_argument("--val-percent", type=float, default=5.0, help="share of files held out (default %(default)s)")
+    tr.add_argument("--tokenizer", choices=("bpe", "byte"), default="bpe")
+    tr.add_argument("--vocab-size", type=int, default=MAIN_JOB_VOCAB, help="BPE vocabulary (default %(default)s)")
+    tr.add_argument("--out", type=Path, help="run directory (default: runs/run-<date>-<time>)")
+    tr.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    tr.add_argument("--cache-dir", type=Path, help="token cache (default ~/.cache/mlx_llm)")
+    tr.add_argument("--prompt", default="def ", help="prompt of the closing sample")
+    tr.add_argument("--sample-tokens", type=int, default=200)
+    tr.add_argument("--no-progress", action="store_true")
+    for flag, typ in TRAIN_FLAGS.items():
+        kwargs = {"choices": COMPUTE_DTYPES} if flag == "compute_dtype" else {}
+        tr.add_argument("--" + flag.replace("_", "-"), type=typ, dest=flag, **kwargs)
+
+    ev = sub.add_parser("eval", help="val loss, perplexity and bits per byte of a run's latest checkpoint")
+    ev.add_argument("--run", type=Path, required=True)
+    ev.add_argument("--step", type=int, help="checkpoint step (default: latest)")
+    ev.add_argument("--cache-dir", type=Path)
+
+    ge = sub.add_parser("generate", help="continue a prompt with a trained run")
+    ge.add_argument("--run", type=Path, required=True)
+    ge.add_argument("--prompt", required=True)
+    ge.add_argument("--max-new-tokens", type=int, default=100)
+    ge.add_argument("--temperature", type=float, help="omit for greedy decoding")
+    ge.add_argument("--top-k", type=int)
+    ge.add_argument("--top-p", type=float)
+    ge.add_argument("--beam", type=int, help="beam width (beam search; excludes sampling settings)")
+    ge.add_argument("--seed", type=int, default=0)
+    ge.add_argument("--step", type=int, help="checkpoint step (default: latest)")
+    ge.add_argument("--json", action="store_true", help="print the result and how to reproduce it as JSON")
+    return ap
+
+
+def train_configs(args) -> tuple[ModelConfig, TrainConfig]:
+    cfg = ModelConfig.from_json(args.config) if args.config else MAIN_JOB_MODEL
+    tcfg = TrainConfig.from_json(args.train_config) if args.train_config else MAIN_JOB_TRAIN
+    overrides = {k: getattr(args, k) for k in TRAIN_FLAGS if getattr(args, k) is not None}
+    if overrides:
+        tcfg = TrainConfig(**{**tcfg.to_dict(), **overrides})
+    return cfg, tcfg
+
+
+def cmd_train(args) -> int:
+    from mlx_llm.run import DataSpec, train_run
+
+    out = args.out or Path("runs") / time.strftime("run-%Y%m%d-%H%M%S")
+    if args.resume:
+        if args.out is None:
+            raise MLXLLMError("--resume needs --out DIR, the run directory to continue")
+        given = (args.config, args.train_config, args.data) + tuple(getattr(args, k) for k in TRAIN_FLAGS)
+        if any(v is not None for v in given):
+            raise MLXLLMError("--resume continues a run exactly as it was configured: drop the other settings "
+                              "(they are read from the run directory)")
+        cfg = tcfg = spec = None
+    else:
+        cfg, tcfg = train_configs(args)
+        exts = tuple(e if e.startswith(".") else "." + e for e in args.extensions.split(",") if e)
+        spec = DataSpec(path=args.data, extensions=exts, val_percent=args.val_percent, tokenizer=args.tokenizer,
+                        vocab_size=args.vocab_size)
+    summary = train_run(out, cfg, tcfg, spec, resume=args.resume, show_progress=not args.no_progress,
+                        cache_dir=args.cache_dir, sample_prompt=args.prompt, sample_tokens=args.sample_tokens)
+    print(f"run: {out}")
+    print(f"val loss {summary['val_loss']:.4f} nats/token, perplexity {summary['val_ppl']:.2f}, "
+          f"bits/byte {summary['val_bpb']:.4f} (unigram baseline {summary['unigram_val_bpb']:.4f}); "
+          f"wall {summary['wall_seconds']:.0f} s")
+    print("sample:\n" + summary["sample"])
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from mlx_llm.run import evaluate_run
+
+    step, res = evaluate_run(args.run, cache_dir=args.cache_dir, step=args.step)
+    print(f"{args.run} step {step}: val loss {res.loss:.4f} nats/token, perplexity {res.perplexity:.3f}, "
+          f"bits/byte {res.bits_per_byte:.4f} ({res.n_targets:,} tokens, {res.n_bytes:,} bytes)")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from mlx_llm.run import generate_from_run
+
+    record = generate_from_run(args.run, args.prompt, max_new_tokens=args.max_new_tokens,
+                               temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                               beam_width=args.beam, seed=args.seed, step=args.step)
+    print(json.dumps(record, indent=2) if args.json else args.prompt + record["continuation"])
+    return 0
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    command = {"train": cmd_train, "eval": cmd_eval, "generate": cmd_generate}[args.command]
+    try:
+        return command(args)
+    except MLXLLMError as exc:
+        print(f"mlx-llm {args.command}: error: {exc}", file=sys.stderr)
+    except OSError as exc:
+        print(f"mlx-llm {args.command}: error: {exc.strerror or exc} ({exc.filename or ''})", file=sys.stderr)
+    except KeyboardInterrupt:
+        print(f"mlx-llm {args.command}: interrupted; the last checkpoint is kept (continue with --resume)",
+              file=sys.stderr)
+        return 130
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

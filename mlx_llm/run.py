@@ -1,0 +1,338 @@
+"""A training run end to end: run directory, tokenizer, corpus, the loop, metrics, checkpoints, plot, sample.
+
+The loop dispatches steps asynchronously and reads metrics back only every ``log_interval`` steps (and before
+every evaluation or checkpoint), so no host round-trip sits between two steps. A checkpoint is written only
+after every step before it has been checked finite: a diverged run keeps its last good checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from mlx_llm import data as data_lib
+from mlx_llm import tokenizer as tok_lib
+from mlx_llm.accounting import train_flops_per_token
+from mlx_llm.checkpoint import (CONFIG_FILE, Checkpoints, abstract_like, read_run_files, write_run_files)
+from mlx_llm.config import ModelConfig, TrainConfig
+from mlx_llm.errors import CheckpointError, ConfigError, MLXLLMError
+from mlx_llm.model import check_tokens
+from mlx_llm.parallel import check_batch_divisible, make_mesh, replicated
+from mlx_llm.train import (EvalResult, device_batch, evaluate, init_state, jit_train_step, make_eval_step,
+                           optimizer_for)
+
+METRICS_FILE, SUMMARY_FILE, SAMPLE_FILE, PLOT_FILE = "metrics.jsonl", "summary.json", "sample.txt", "loss.png"
+
+
+class TrainingDiverged(MLXLLMError):
+    """The loss or gradient became non-finite."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSpec:
+    """Where the text comes from and how it is tokenised (``run.json`` of a run)."""
+
+    path: str | None = None  # None: the Python standard library
+    extensions: tuple[str, ...] = data_lib.DEFAULT_EXTENSIONS
+    val_percent: float = data_lib.DEFAULT_VAL_PERCENT
+    tokenizer: str = "bpe"  # or "byte"
+    vocab_size: int = 4096  # BPE only
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "extensions": list(self.extensions)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DataSpec":
+        return cls(**{**d, "extensions": tuple(d["extensions"])})
+
+
+# ----- run directory ----------------------------------------------------------------------------------------
+def check_run_dir(run_dir: Path, resume: bool) -> None:
+    """Never overwrite a run: a directory holding one needs ``resume``; any other non-empty one is refused."""
+    has_run = (run_dir / CONFIG_FILE).is_file()
+    if resume and not has_run:
+        raise CheckpointError(f"--resume given but {str(run_dir)!r} holds no run (no {CONFIG_FILE}); drop --resume "
+                              f"to start a new run there")
+    if not resume and has_run:
+        raise CheckpointError(f"{str(run_dir)!r} already holds a run; pass --resume to continue it or choose "
+                              f"another --out")
+    if not resume and run_dir.exists() and any(run_dir.iterdir()):
+        raise CheckpointError(f"{str(run_dir)!r} exists and is not empty; choose a new --out directory")
+
+
+def check_same_run(run_dir: Path, cfg: ModelConfig | None, tcfg: TrainConfig | None, spec: DataSpec | None):
+    """On resume, what was asked must equal what the run holds (None: take the run's)."""
+    saved_cfg, saved_tcfg, info = read_run_files(run_dir)
+    saved_spec = DataSpec.from_dict(info["data"])
+    for name, asked, saved in (("model config", cfg, saved_cfg), ("train config", tcfg, saved_tcfg),
+                               ("data settings", spec, saved_spec)):
+        if asked is not None and asked != saved:
+            diff = {k: (v, getattr(saved, k)) for k, v in dataclasses.asdict(asked).items()
+                    if v != getattr(saved, k)}
+            raise CheckpointError(f"cannot resume {str(run_dir)!r}: its {name} differs from the one given "
+                                  f"(field: (given, saved) = {diff}); resume without changing it, or start a new "
+                                  f"run with another --out")
+    return saved_cfg, saved_tcfg, saved_spec
+
+
+# ----- metrics ----------------------------------------------------------------------------------------------
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """On resume drop lines of steps after the restored checkpoint: they are about to be recomputed."""
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= last_step]
+    path.write_text("".join(line + "\n" for line in keep))
+
+
+def append_metrics(path: Path, rows: list[dict]) -> None:
+    with path.open("a") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+def plot_losses(metrics_path: Path, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line]
+    train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+    val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        ax.plot(*zip(*train), label="train loss", lw=1)
+    if val:
+        ax.plot(*zip(*val), "o-", label="val loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats / token)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+# ----- the loop ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Progress:
+    """Host-side bookkeeping between flushes: pending step metrics and throughput timing."""
+
+    pending: list = dataclasses.field(default_factory=list)
+    last_time: float = dataclasses.field(default_factory=time.perf_counter)
+    last_step: int = 0
+
+
+def flush(progress: Progress, metrics_path: Path, run_dir: Path, last_ckpt) -> list[dict]:
+    """Read back pending step metrics (one host sync), stop on the first non-finite one, write them."""
+    rows = []
+    for step, m in jax.device_get(progress.pending):
+        row = {"step": step + 1, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]), "lr": float(m["lr"])}
+        if not (math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])):
+            where = (f"step {last_ckpt} in {run_dir / 'checkpoints'}" if last_ckpt is not None
+                     else "none was written yet")
+            raise TrainingDiverged(f"training diverged: loss = {row['loss']}, grad norm = {row['grad_norm']} at step "
+                                   f"{row['step']} (lr {row['lr']:.3g}); the last good checkpoint is kept ({where}); "
+                                   f"lower --lr or raise --warmup-steps")
+        rows.append(row)
+    progress.pending.clear()
+    append_metrics(metrics_path, rows)
+    return rows
+
+
+def train_loop(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, corpus, *, resume: bool, show_progress: bool,
+               log=print) -> dict:
+    mesh = make_mesh()
+    check_batch_divisible(tcfg.batch_size, tcfg.grad_accum, mesh)
+    optimizer = optimizer_for(tcfg)
+    ckpts = Checkpoints(run_dir, tcfg.keep_checkpoints)
+    state = jax.device_put(init_state(cfg, tcfg, optimizer), replicated(mesh))
+    metrics_path = run_dir / METRICS_FILE
+    last_ckpt = ckpts.latest_step()
+    if resume and last_ckpt is not None:
+        state = ckpts.restore(abstract_like(state))
+        log(f"resumed {run_dir} from step {last_ckpt}")
+    if int(state.data_step) != int(state.step):
+        raise CheckpointError(f"checkpoint {last_ckpt} is inconsistent: data cursor {int(state.data_step)} != step "
+                              f"{int(state.step)}")
+    truncate_metrics(metrics_path, int(state.step))
+    step_fn = jit_train_step(cfg, tcfg, mesh)
+    eval_step = make_eval_step(cfg, mesh)
+    val_set = corpus.val_batches(tcfg.seq_len, tcfg.batch_size, tcfg.eval_tokens or None)
+    flops_per_token = train_flops_per_token(cfg, tcfg.seq_len)
+    tokens_per_step = tcfg.batch_size * tcfg.seq_len
+    start = int(state.step)
+    bar = _progress_bar(show_progress, start, tcfg.steps)
+    progress, result, t_start = Progress(last_step=start), None, time.perf_counter()
+    train_seconds, last_row = 0.0, None
+    for s in range(start, tcfg.steps):
+        batch = corpus.train_batch(s, batch_size=tcfg.batch_size, seq_len=tcfg.seq_len, seed=tcfg.seed)
+        check_tokens(batch["tokens"], cfg, "training batch tokens")
+        state, m = step_fn(state, device_batch(batch, mesh))
+        progress.pending.append((s, m))
+        done = s + 1
+        is_eval = done % tcfg.eval_interval == 0 or done == tcfg.steps
+        is_ckpt = done % tcfg.checkpoint_interval == 0 or done == tcfg.steps
+        if done % tcfg.log_interval == 0 or is_eval or is_ckpt:
+            rows = flush(progress, metrics_path, run_dir, last_ckpt)
+            now = time.perf_counter()
+            dt, n_steps = now - progress.last_time, done - progress.last_step
+            train_seconds += dt
+            tok_s = n_steps * tokens_per_step / dt
+            last_row = rows[-1]
+            bar.set_postfix(loss=f"{last_row['loss']:.3f}", tok_s=f"{tok_s:,.0f}",
+                            flops=f"{tok_s * flops_per_token / 1e9:.1f}G")
+            bar.update(n_steps)
+            if is_eval:
+                result = evaluate(eval_step, state.params, val_set, mesh)
+                append_metrics(metrics_path, [{"step": done, **result.as_dict()}])
+                bar.write(f"step {done}: val loss {result.loss:.4f}, ppl {result.perplexity:.2f}, "
+                          f"bits/byte {result.bits_per_byte:.4f}")
+            if is_ckpt:
+                ckpts.save(done, state)
+                last_ckpt = done
+            progress.last_time, progress.last_step = time.perf_counter(), done
+    bar.close()
+    ckpts.close()
+    wall = time.perf_counter() - t_start
+    if result is None:  # nothing left to train (resumed a finished run): evaluate the restored state
+        result = evaluate(eval_step, state.params, val_set, mesh)
+    steps_run = tcfg.steps - start
+    summary = {"steps": tcfg.steps, "steps_this_session": steps_run, "wall_seconds": wall,
+               "train_seconds": train_seconds,
+               "tokens_per_second": steps_run * tokens_per_step / train_seconds if train_seconds else None,
+               "flops_per_token": flops_per_token, "devices": mesh.devices.size, **result.as_dict()}
+    return {"state": state, "summary": summary}
+
+
+def _progress_bar(show: bool, start: int, total: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=start, disable=not show, unit="step", dynamic_ncols=True)
+
+
+# ----- whole runs -------------------------------------------------------------------------------------------
+def read_text_and_tokenizer(run_dir: Path, spec: DataSpec, cache_dir=None):
+    """(tokenizer, text corpus); the tokenizer is the run's own when it has one, else a new one in memory."""
+    text = data_lib.read_corpus(spec.path, extensions=spec.extensions, val_percent=spec.val_percent)
+    tok = load_tokenizer(run_dir, spec, text)
+    return tok, text
+
+
+def load_tokenizer(run_dir: Path, spec: DataSpec, text_corpus) -> tok_lib.Tokenizer:
+    """The run's tokenizer.json if present, else a new one (BPE trained on the train split only)."""
+    if (run_dir / tok_lib.TOKENIZER_FILE).is_file():
+        return tok_lib.load(run_dir)
+    if spec.tokenizer == "byte":
+        return tok_lib.ByteTokenizer()
+    return tok_lib.train_bpe((d.text for d in text_corpus.train), spec.vocab_size)
+
+
+def finalize_config(cfg: ModelConfig, tok, tcfg: TrainConfig) -> ModelConfig:
+    """The model's vocabulary is the tokenizer's; the training length must fit the model."""
+    if cfg.vocab_size != tok.vocab_size:
+        cfg = dataclasses.replace(cfg, vocab_size=tok.vocab_size)
+    if tcfg.seq_len > cfg.max_seq_len:
+        raise ConfigError(f"seq_len = {tcfg.seq_len} is longer than the model's max_seq_len = {cfg.max_seq_len}: "
+                          f"lower --seq-len or raise max_seq_len in the model config")
+    return cfg
+
+
+def train_run(run_dir, cfg: ModelConfig | None, tcfg: TrainConfig | None, spec: DataSpec | None, *,
+              resume: bool = False, show_progress: bool = True, cache_dir=None, sample_prompt: str = "def ",
+              sample_tokens: int = 200, log=print) -> dict:
+    """Train (or resume) the run in ``run_dir``; returns the summary dict also written to summary.json.
+
+    Everything that can be checked (paths, corpus, tokenizer, configs, device split) is checked before the run
+    directory is created, so a refused run leaves nothing behind.
+    """
+    run_dir = Path(run_dir)
+    check_run_dir(run_dir, resume)
+    if resume:
+        cfg, tcfg, spec = check_same_run(run_dir, cfg, tcfg, spec)
+    tok, text = read_text_and_tokenizer(run_dir, spec, cache_dir)
+    cfg = finalize_config(cfg, tok, tcfg)
+    check_batch_divisible(tcfg.batch_size, tcfg.grad_accum, make_mesh())
+    corpus = data_lib.encode_corpus(text, tok, cache_dir)
+    if not resume:
+        write_run_files(run_dir, cfg, tcfg, {"data": spec.to_dict()})
+        tok.save(run_dir)
+    log(f"corpus: {corpus.stats.describe()}; train {corpus.train.n_tokens:,} tokens, val {corpus.val.n_tokens:,} "
+        f"tokens ({'cached' if corpus.cache_hit else f'encoded in {corpus.encode_seconds:.1f} s'})")
+    log(f"model: {cfg.param_count():,} parameters ({cfg.non_embedding_param_count():,} non-embedding), "
+        f"vocab {cfg.vocab_size}; {jax.device_count()} device(s)")
+    out = train_loop(run_dir, cfg, tcfg, corpus, resume=resume, show_progress=show_progress, log=log)
+    summary = {**out["summary"], "unigram_val_bpb": corpus.unigram_bits_per_byte()}
+    plot_losses(run_dir / METRICS_FILE, run_dir / PLOT_FILE)
+    text = closing_sample(out["state"].params, cfg, tok, sample_prompt, sample_tokens, seed=tcfg.seed)
+    (run_dir / SAMPLE_FILE).write_text(text, encoding="utf-8")
+    summary["sample"] = text
+    (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def evaluate_run(run_dir, *, cache_dir=None, step: int | None = None) -> tuple[int, EvalResult]:
+    """Val loss, perplexity and bits per byte of a run's latest (or given) checkpoint on its whole val split."""
+    run_dir = Path(run_dir)
+    cfg, tcfg, info = read_run_files(run_dir)
+    spec = DataSpec.from_dict(info["data"])
+    tok, text = read_text_and_tokenizer(run_dir, spec, cache_dir)
+    corpus = data_lib.encode_corpus(text, tok, cache_dir)
+    mesh = make_mesh()
+    params = load_params(run_dir, cfg, tcfg, step)
+    val_set = corpus.val_batches(tcfg.seq_len, tcfg.batch_size, None)
+    ckpt_step = Checkpoints(run_dir).latest_step() if step is None else step
+    return ckpt_step, evaluate(make_eval_step(cfg, mesh), params, val_set, mesh)
+
+
+def load_params(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, step: int | None = None):
+    """The parameters of a run's checkpoint (latest by default), replicated on the local mesh."""
+    mesh = make_mesh()
+    optimizer = optimizer_for(tcfg)
+    abstract = jax.eval_shape(lambda: init_state(cfg, tcfg, optimizer))
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated(mesh)), abstract)
+    ckpts = Checkpoints(run_dir)
+    try:
+        return ckpts.restore(abstract, step).params
+    finally:
+        ckpts.close()
+
+
+def closing_sample(params, cfg: ModelConfig, tok, prompt: str, max_new_tokens: int, *, seed: int = 0,
+                   temperature: float = 0.8, top_p: float = 0.95) -> str:
+    """The prompt and a sampled continuation from the cached decoder (stops at EOS or the length limit)."""
+    from mlx_llm.generate import generate
+
+    ids = np.concatenate([[tok.bos_id], tok.encode(prompt)]).astype(np.int32)[None]
+    n_new = max(1, min(max_new_tokens, cfg.max_seq_len - ids.shape[1]))
+    out = generate(params, cfg, ids, n_new, temperature=temperature, top_p=top_p, eos_id=tok.eos_id,
+                   pad_id=tok.pad_id, seed=seed)
+    new = np.asarray(out.tokens[0])[: int(out.lengths[0])]
+    return prompt + tok.decode(new, skip_special=True)
+
+
+def generate_from_run(run_dir, prompt: str, *, max_new_tokens: int, temperature=None, top_k=None, top_p=None,
+                      beam_width=None, seed: int = 0, step: int | None = None) -> dict:
+    """Continue ``prompt`` with a run's checkpoint; the record holds everything needed to reproduce it (M20 §13)."""
+    from mlx_llm.generate import generate
+
+    run_dir = Path(run_dir)
+    cfg, tcfg, _ = read_run_files(run_dir)
+    tok = tok_lib.load(run_dir)
+    ckpt_step = Checkpoints(run_dir).latest_step() if step is None else step
+    params = load_params(run_dir, cfg, tcfg, ckpt_step)
+    ids = np.concatenate([[tok.bos_id], tok.encode(prompt)]).astype(np.int32)
+    out = generate(params, cfg, ids[None], max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                   beam_width=beam_width, eos_id=tok.eos_id, pad_id=tok.pad_id, seed=seed)
+    new = np.asarray(out.tokens[0])[: int(out.lengths[0])]
+    return {"run": str(run_dir), "checkpoint_step": ckpt_step, "prompt": prompt, "prompt_ids": ids.tolist(),
+            "settings": {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k,
+                         "top_p": top_p, "beam_width": beam_width, "eos_id": tok.eos_id},
+            "seed": seed, "continuation_ids": new.tolist(), "continuation": tok.decode(new, skip_special=True),
+            "logq": float(np.asarray(out.logq)[0]), "logp": float(np.asarray(out.logp)[0])}

@@ -1,0 +1,150 @@
+"""The training step and the training loop (M20 §10–§12, §20's boxed AdamW line).
+
+``train_step`` is one jitted function of (TrainState, batch), with the state donated and the batch sharded on
+the mesh's batch axes; gradient accumulation is a ``lax.scan`` over micro-batches whose summed losses and
+gradients are divided once by the step's total target count, so the loss is token-averaged over the whole step
+exactly as M20 §10 defines it for a batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from mlx_llm.config import ModelConfig, TrainConfig
+from mlx_llm.loss import token_nll
+from mlx_llm.model import hidden_states, init_params, logits_from_hidden
+from mlx_llm.optim import make_optimizer, warmup_cosine
+from mlx_llm.parallel import batch_sharding, replicated
+
+BATCH_KEYS = ("tokens", "targets", "mask", "segment_ids", "positions")
+
+
+@flax.struct.dataclass
+class TrainState:
+    """Everything a resumed run needs: step, params, optimizer moments, rng and the data cursor.
+
+    Batches are a function of (seed, data_step), so restoring ``data_step`` replays the same data.
+    """
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    rng: jax.Array  # raw uint32 key data (checkpointable); see jax.random.wrap_key_data
+    data_step: jax.Array
+
+
+def schedule_for(tcfg: TrainConfig):
+    return warmup_cosine(tcfg.lr, tcfg.warmup_steps, tcfg.steps, tcfg.final_lr_fraction)
+
+
+def optimizer_for(tcfg: TrainConfig) -> optax.GradientTransformation:
+    return make_optimizer(schedule_for(tcfg), b1=tcfg.b1, b2=tcfg.b2, weight_decay=tcfg.weight_decay,
+                          clip_norm=tcfg.clip_norm)
+
+
+def init_state(cfg: ModelConfig, tcfg: TrainConfig, optimizer: optax.GradientTransformation) -> TrainState:
+    init_key, rng = jax.random.split(jax.random.key(tcfg.seed))
+    params = init_params(cfg, init_key)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
+                      rng=jax.random.key_data(rng), data_step=jnp.zeros((), jnp.int32))
+
+
+def cast_params(params, dtype):
+    """Compute copy of float32 master weights (bf16 training keeps the float32 master in the state)."""
+    return jax.tree.map(lambda p: p.astype(dtype), params)
+
+
+def summed_loss(params, batch, cfg: ModelConfig, compute_dtype) -> tuple[jax.Array, jax.Array]:
+    """(Σ_t b_t · −log p(x_t | x_<t), Σ_t b_t) of one (micro-)batch; logits and loss in float32."""
+    p = cast_params(params, compute_dtype)
+    h_BTD = hidden_states(p, batch["tokens"], cfg, positions_BT=batch["positions"],
+                          segment_ids_BT=batch["segment_ids"])
+    nll_BT = token_nll(logits_from_hidden(h_BTD, p, cfg), batch["targets"])
+    b_BT = batch["mask"].astype(nll_BT.dtype)
+    return jnp.sum(b_BT * nll_BT), jnp.sum(b_BT)
+
+
+def make_train_step(cfg: ModelConfig, tcfg: TrainConfig, optimizer: optax.GradientTransformation) -> Callable:
+    """(state, batch) → (state, metrics); not jitted here (see ``jit_train_step``)."""
+    dtype = jnp.dtype(tcfg.compute_dtype)
+    grad_fn = jax.value_and_grad(lambda p, mb: summed_loss(p, mb, cfg, dtype), has_aux=True)
+    schedule = schedule_for(tcfg)
+
+    def accumulate(params, batch):
+        if tcfg.grad_accum == 1:
+            (loss_sum, n), grads = grad_fn(params, batch)
+            return loss_sum, n, grads
+        micro = jax.tree.map(lambda a: a.reshape(tcfg.grad_accum, -1, *a.shape[1:]), batch)
+
+        def body(carry, mb):
+            (loss_sum, n), grads = grad_fn(params, mb)
+            return jax.tree.map(jnp.add, carry, (loss_sum, n, grads)), None
+
+        zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
+        return jax.lax.scan(body, zeros, micro)[0]
+
+    def train_step(state: TrainState, batch):
+        loss_sum, n, grads = accumulate(state.params, batch)
+        grads = jax.tree.map(lambda g: g / n, grads)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": loss_sum / n, "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step),
+                   "targets": n}
+        new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, data_step=state.data_step + 1)
+        return new, metrics
+
+    return train_step
+
+
+@functools.lru_cache(maxsize=8)
+def jit_train_step(cfg: ModelConfig, tcfg: TrainConfig, mesh) -> Callable:
+    """The jitted step: state replicated and donated, batch split over the mesh's batch axes.
+
+    Cached on the (hashable) configs and mesh, so a resumed or repeated run in one process compiles once.
+    """
+    state_sh, batch_sh = replicated(mesh), batch_sharding(mesh)
+    return jax.jit(make_train_step(cfg, tcfg, optimizer_for(tcfg)), in_shardings=(state_sh, batch_sh),
+                   out_shardings=(state_sh, replicated(mesh)), donate_argnums=0)
+
+
+@functools.lru_cache(maxsize=8)
+def make_eval_step(cfg: ModelConfig, mesh) -> Callable:
+    """batch → (Σ b·NLL, Σ b) in float32, jitted with the batch sharded like training batches."""
+    return jax.jit(lambda params, batch: summed_loss(params, batch, cfg, jnp.float32),
+                   in_shardings=(replicated(mesh), batch_sharding(mesh)), out_shardings=replicated(mesh))
+
+
+def device_batch(batch: dict, mesh) -> dict:
+    sharding = batch_sharding(mesh)
+    return {k: jax.device_put(np.asarray(batch[k]), sharding) for k in BATCH_KEYS}
+
+
+@dataclasses.dataclass
+class EvalResult:
+    loss: float  # nats per target token
+    perplexity: float
+    bits_per_byte: float
+    n_targets: int
+    n_bytes: int
+
+    def as_dict(self) -> dict:
+        return {"val_loss": self.loss, "val_ppl": self.perplexity, "val_bpb": self.bits_per_byte,
+                "val_targets": self.n_targets, "val_bytes": self.n_bytes}
+
+
+def evaluate(eval_step: Callable, params, val_set, mesh) -> EvalResult:
+    """Validation loss, perplexity and bits per byte (total NLL in bits ÷ UTF-8 bytes of the scored text)."""
+    totals = [eval_step(params, device_batch(b, mesh)) for b in val_set.batches]
+    nll = float(sum(float(s) for s, _ in totals))
+    n = float(sum(float(c) for _, c in totals))
+    loss = nll / n
+    return EvalResult(loss, math.exp(loss), nll / (math.log(2.0) * val_set.n_bytes), int(n), int(val_set.n_bytes))

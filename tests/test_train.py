@@ -1,0 +1,209 @@
+"""Training pipeline: exact resume, determinism, divergence, run-directory safety, multi-device, packing."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mlx_llm import ModelConfig, forward
+from mlx_llm.checkpoint import Checkpoints
+from mlx_llm.config import TrainConfig
+from mlx_llm.errors import CheckpointError, ConfigError
+from mlx_llm.run import DataSpec, TrainingDiverged, load_params, train_run
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ModelConfig(vocab_size=263, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, d_head=8, d_ff=32, max_seq_len=64)
+
+
+def tiny_train(**kw):
+    base = dict(batch_size=4, seq_len=32, steps=6, lr=1e-2, warmup_steps=2, eval_interval=3, eval_tokens=256,
+                checkpoint_interval=3, log_interval=1, seed=0)
+    return TrainConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("corpus")
+    rng = np.random.default_rng(0)
+    words = ["def", "return", "self", "value", "import", "class", "for", "in", "if", "else", "x", "y", "(", ")", ":"]
+    for i in range(12):
+        lines = [" ".join(rng.choice(words, size=8)) for _ in range(60)]
+        (d / f"doc{i:02d}.py").write_text("\n".join(lines) + "\n")
+    return d
+
+
+def spec_for(corpus_dir):
+    return DataSpec(path=str(corpus_dir), extensions=(".py",), val_percent=20.0, tokenizer="byte")
+
+
+def run(out, corpus_dir, tcfg, *, resume=False, cfg=TINY, cache=None):
+    return train_run(out, None if resume else cfg, None if resume else tcfg, None if resume else spec_for(corpus_dir),
+                     resume=resume, show_progress=False, cache_dir=cache or out.parent / "cache", sample_tokens=8,
+                     log=lambda *a: None)
+
+
+def final_params(out):
+    from mlx_llm.checkpoint import read_run_files
+
+    cfg, tcfg, _ = read_run_files(out)
+    return jax.device_get(load_params(out, cfg, tcfg))
+
+
+def assert_trees_equal(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory, corpus_dir):
+    out = tmp_path_factory.mktemp("full") / "run"
+    summary = run(out, corpus_dir, tiny_train())
+    return out, summary
+
+
+def test_run_directory_contents(full_run):
+    out, summary = full_run
+    for name in ("config.json", "train_config.json", "run.json", "tokenizer.json", "metrics.jsonl", "loss.png",
+                 "sample.txt", "summary.json"):
+        assert (out / name).is_file(), name
+    assert Checkpoints(out).all_steps() == [3, 6]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in rows if "val_loss" in r] == [3, 6]
+    assert summary["val_bpb"] == pytest.approx(summary["val_loss"] / np.log(2) * summary["val_targets"]
+                                               / summary["val_bytes"])
+    assert rows[-1]["val_loss"] < np.log(263)  # it learned something in 6 steps
+    assert summary["sample"].startswith("def ")
+
+
+def test_resume_is_bitwise_equal_to_uninterrupted(tmp_path, corpus_dir, full_run):
+    out = tmp_path / "run"
+    run(out, corpus_dir, tiny_train(steps=6))
+    # cut the run back to its step-3 checkpoint, as if it had been stopped there, and resume
+    shutil.rmtree(out / "checkpoints" / "6")
+    run(out, corpus_dir, None, resume=True)
+    assert_trees_equal(final_params(out), final_params(full_run[0]))
+    assert (out / "metrics.jsonl").read_text() == (full_run[0] / "metrics.jsonl").read_text()
+
+
+def test_same_seed_same_metrics_file(tmp_path, corpus_dir, full_run):
+    out = tmp_path / "again"
+    run(out, corpus_dir, tiny_train())
+    assert (out / "metrics.jsonl").read_text() == (full_run[0] / "metrics.jsonl").read_text()
+    other = tmp_path / "seed1"
+    run(other, corpus_dir, tiny_train(seed=1, steps=3))
+    assert (other / "metrics.jsonl").read_text().splitlines()[0] != \
+        (full_run[0] / "metrics.jsonl").read_text().splitlines()[0]
+
+
+def test_never_overwrites_a_run(full_run, corpus_dir):
+    out = full_run[0]
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    with pytest.raises(CheckpointError, match=r"already holds a run; pass --resume"):
+        run(out, corpus_dir, tiny_train())
+    with pytest.raises(CheckpointError, match=r"its train config differs.*'lr': \(0.5, 0.01\)"):
+        train_run(out, TINY, tiny_train(lr=0.5), spec_for(corpus_dir), resume=True, show_progress=False,
+                  log=lambda *a: None)
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_divergence_stops_and_keeps_last_good_checkpoint(tmp_path, corpus_dir):
+    out = tmp_path / "diverge"
+    with pytest.raises(TrainingDiverged, match=r"at step (\d+).*last good checkpoint is kept \(step (\d+)"):
+        run(out, corpus_dir, tiny_train(lr=1e30, warmup_steps=0, checkpoint_interval=1, steps=6,
+                                        clip_norm=1e30))
+    steps = Checkpoints(out).all_steps()
+    assert steps, "a good checkpoint must survive"
+    params = final_params(out)
+    assert all(np.isfinite(np.asarray(a)).all() for a in jax.tree.leaves(params))
+
+
+def test_interrupted_checkpoint_write_leaves_previous_loadable(tmp_path, full_run):
+    out = tmp_path / "copy"
+    shutil.copytree(full_run[0], out)
+    # what orbax leaves when killed mid-write: a temporary directory that was never renamed into place
+    partial = out / "checkpoints" / "9.orbax-checkpoint-tmp-1234567890"
+    shutil.copytree(out / "checkpoints" / "6", partial)
+    for f in list(partial.rglob("*"))[::2]:
+        if f.is_file():
+            f.write_bytes(b"")
+    assert Checkpoints(out).latest_step() == 6
+    assert_trees_equal(final_params(out), final_params(full_run[0]))
+
+
+def test_seq_len_longer_than_model_rejected(tmp_path, corpus_dir):
+    with pytest.raises(ConfigError, match=r"seq_len = 128 is longer than the model's max_seq_len = 64"):
+        run(tmp_path / "r", corpus_dir, tiny_train(seq_len=128))
+
+
+def test_segment_mask_isolates_documents_in_a_training_window(corpus_dir):
+    """A token's logits do not change when another document in the same packed window changes."""
+    from mlx_llm.data import pack_windows
+
+    cfg = TINY
+    params = __import__("mlx_llm").init_params(cfg, jax.random.key(0), dtype=jnp.float64)
+    bos, eos, pad = 256, 257, 258
+    window = np.array([[bos, 10, 11, 12, eos, bos, 20, 21, 22, 23, eos, bos, 30, 31, 32]])
+    changed = window.copy()
+    changed[0, 6:10] = [40, 41, 42, 43]  # the middle document only
+    outs = []
+    for w in (window, changed):
+        b = pack_windows(w, bos, pad)
+        outs.append(forward(params, b["tokens"], cfg, positions_BT=jnp.asarray(b["positions"]),
+                            segment_ids_BT=jnp.asarray(b["segment_ids"])))
+    np.testing.assert_array_equal(outs[0][0, :5], outs[1][0, :5])  # first document
+    np.testing.assert_array_equal(outs[0][0, 11:], outs[1][0, 11:])  # last document
+    assert not np.allclose(outs[0][0, 6:10], outs[1][0, 6:10])
+
+
+MULTI_DEVICE_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import jax, numpy as np
+    from mlx_llm import ModelConfig
+    from mlx_llm.config import TrainConfig
+    from mlx_llm.parallel import make_mesh, replicated
+    from mlx_llm.train import device_batch, init_state, jit_train_step, optimizer_for
+    assert jax.device_count() == 4, jax.devices()
+    cfg = ModelConfig(vocab_size=50, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_head=4, d_ff=24,
+                      max_seq_len=16)
+    tcfg = TrainConfig(batch_size=8, seq_len=16, steps=3, lr=1e-2, warmup_steps=1)
+    rng = np.random.default_rng(0)
+    batches = [{"tokens": rng.integers(0, 50, (8, 16)), "targets": rng.integers(0, 50, (8, 16)),
+                "mask": (rng.random((8, 16)) < 0.8).astype(np.float32),
+                "segment_ids": np.zeros((8, 16), np.int32), "positions": np.tile(np.arange(16), (8, 1))}
+               for _ in range(3)]
+    results = {}
+    for n in (1, 4):
+        mesh = make_mesh(jax.devices()[:n])
+        opt = optimizer_for(tcfg)
+        state = jax.device_put(init_state(cfg, tcfg, opt), replicated(mesh))
+        step = jit_train_step(cfg, tcfg, mesh)
+        losses = []
+        for b in batches:
+            state, m = step(state, device_batch(b, mesh))
+            losses.append(float(m["loss"]))
+        results[n] = (losses, [np.asarray(a) for a in jax.tree.leaves(state.params)],
+                      len(state.params["embed"].sharding.device_set))
+    (l1, p1, d1), (l4, p4, d4) = results[1], results[4]
+    print(json.dumps({"loss1": l1, "loss4": l4, "devices": [d1, d4],
+                      "max_param_diff": max(float(np.max(np.abs(a - b))) for a, b in zip(p1, p4))}))
+""")
+
+
+def test_four_devices_equal_one_device():
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", MULTI_DEVICE_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["devices"] == [1, 4]
+    np.testing.assert_allclose(res["loss4"], res["loss1"], rtol=0, atol=1e-6)
+    assert res["max_param_diff"] <= 1e-6
