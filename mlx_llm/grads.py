@@ -17,11 +17,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from mlx_llm.config import ModelConfig
-from mlx_llm.errors import InputError
-from mlx_llm.loss import masked_cross_entropy
+from mlx_llm.loss import check_loss_mask, masked_cross_entropy
 from mlx_llm.model import (attention_output, attention_qkv, check_tokens, embed, unembed_matrix)
 from mlx_llm.ops import attention, causal_mask, rms_norm, rope, softmax, swiglu
 
@@ -214,12 +212,6 @@ def _layer(blocks, index: int):
     return jax.tree.map(lambda a: a[index], blocks)
 
 
-def _check_mask(mask_BT) -> None:
-    """Reject an all-zero loss mask before any work (M20 §10: the mean over no target is undefined)."""
-    if not isinstance(mask_BT, jax.core.Tracer) and not np.any(np.asarray(mask_BT)):
-        raise InputError("the loss mask selects no target (sum of mask = 0): the mean loss is undefined (M20 §10)")
-
-
 def analytic_value_and_grad(params, tokens_BT, targets_BT, mask_BT, cfg: ModelConfig, *,
                             positions_BT=None, segment_ids_BT=None):
     """The masked cross-entropy of ``forward`` (M20 §10) and its gradient by M20 §11's formulas.
@@ -230,7 +222,7 @@ def analytic_value_and_grad(params, tokens_BT, targets_BT, mask_BT, cfg: ModelCo
     with ``grads`` shaped like ``params``.
     """
     check_tokens(tokens_BT, cfg)
-    _check_mask(mask_BT)
+    check_loss_mask(mask_BT)
     params = jax.tree.map(jnp.asarray, params)
     tokens_BT = jnp.asarray(tokens_BT)
     b, t = tokens_BT.shape

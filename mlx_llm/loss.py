@@ -31,7 +31,8 @@ def token_nll(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
     return -jnp.take_along_axis(logp_BTV, targets_BT[..., None].astype(jnp.int32), axis=-1)[..., 0]
 
 
-def _check_mask(mask_BT) -> None:
+def check_loss_mask(mask_BT) -> None:
+    """Reject an all-zero loss mask (M20 §10: the mean over no target is undefined)."""
     if isinstance(mask_BT, jax.core.Tracer):
         return  # traced: an empty mask gives 0/0 = NaN, which the training loop reports
     if not np.any(np.asarray(mask_BT)):
@@ -43,7 +44,7 @@ def masked_cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: 
 
     An all-zero mask raises ``InputError`` (the mean is undefined, M20 §10).
     """
-    _check_mask(mask_BT)
+    check_loss_mask(mask_BT)
     nll_BT = token_nll(logits_BTV, targets_BT)
     b_BT = jnp.asarray(mask_BT).astype(nll_BT.dtype)
     return jnp.sum(b_BT * nll_BT) / jnp.sum(b_BT)
