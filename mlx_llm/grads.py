@@ -13,6 +13,7 @@ block inputs, the rotated Q/K, V, the attention output before W^O, and the final
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -169,7 +170,7 @@ def block_forward(h_BTD, layer, cfg: ModelConfig, positions_BT, mask_BTS):
 
 def _flat(w, n_in: int) -> jax.Array:
     """A projection (d, H, K) or (H, K, d) as the matrix of the linear map, first ``n_in`` axes as rows."""
-    return w.reshape(int(np.prod(w.shape[:n_in])), -1)
+    return w.reshape(int(math.prod(w.shape[:n_in])), -1)
 
 
 def _ffn_backward(tape: BlockTape, layer, cfg: ModelConfig, g_out_BTD):

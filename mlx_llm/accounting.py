@@ -1,0 +1,212 @@
+"""Counting: parameters, mixture-of-experts stored vs active, LoRA adapters, training FLOPs, KV-cache size.
+
+Every count is an exact integer formula with the seed's worked numbers as tests: U19 §3 (the tower,
+12Ld² + Vd, experts), §6 (KV cache), §8 (C ≈ 6ND), §10 (LoRA 2dr), M20 §8 (parameter inventory) and
+M20 §14 (2Lt·h_kv·d_h cached scalars).
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+from mlx_llm.config import ModelConfig
+from mlx_llm.errors import ConfigError, InputError
+
+
+def _count(name: str, value, *, minimum: int = 1) -> int:
+    """A count argument: an integer >= ``minimum`` (bools rejected), returned as a Python int."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise InputError(f"{name} = {value!r} is invalid: it must be an integer >= {minimum}")
+    return int(value)
+
+
+# ----- parameters ---------------------------------------------------------------------------------
+
+def minillm_params(cfg: ModelConfig) -> int:
+    """Parameters of the dense MiniLLM, M20 §8: n_E·V·d + L(2d·h_q·d_h + 2d·h_kv·d_h + 3dm + 2d) + d."""
+    return cfg.param_count()
+
+
+def tree_size(params) -> int:
+    """Number of scalars in a parameter pytree (what ``minillm_params`` must equal)."""
+    return int(sum(np.size(leaf) for leaf in jax.tree.leaves(params)))
+
+
+def gpt2_block_params(d: int) -> int:
+    """One GPT-2 block, U19 §3: attention 4d² + 4d, feed-forward (d → 4d → d) 8d² + 5d, two layer norms 4d."""
+    d = _count("d", d)
+    return 12 * d * d + 13 * d
+
+
+def gpt2_params(d: int, L: int, V: int, context: int, tied: bool = True) -> int:
+    """GPT-2 (U19 §3): L(12d² + 13d) + Vd (+ Vd more untied) + context·d (positions) + 2d (final norm).
+
+    GPT-2 small (d=768, L=12, V=50 257, context 1 024, tied): 124 439 808.
+    """
+    L, V, context = _count("L", L), _count("V", V), _count("context", context)
+    n_tables = 1 if tied else 2
+    return L * gpt2_block_params(d) + n_tables * V * d + context * d + 2 * d
+
+
+def approx_params(d: int, L: int, V: int) -> int:
+    """The rule of thumb of U19 §3: 12Ld² (4d² attention + 8d² feed-forward per floor) + Vd (one shared table)."""
+    d, L, V = _count("d", d), _count("L", L), _count("V", V)
+    return 12 * L * d * d + V * d
+
+
+class MoECount(NamedTuple):
+    """Stored numbers (memory follows this) and numbers one token uses (compute follows this), U19 §3."""
+
+    stored: int
+    active: int
+
+
+def moe_ffn_params(d: int, n_experts: int, top_k: int, *, expert_params: int | None = None,
+                   router: bool = False) -> MoECount:
+    """One mixture-of-experts feed-forward layer (U19 §3): E experts stored, top-k run per token.
+
+    Each expert defaults to a GPT-style room of 8d² numbers; ``router=True`` adds the d×E router, which
+    every token uses. d=4 096, 8 experts, top 2: 1 073 741 824 stored, 268 435 456 active.
+    """
+    d, n_experts = _count("d", d), _count("n_experts", n_experts)
+    top_k = _count("top_k", top_k)
+    if top_k > n_experts:
+        raise ConfigError(f"top_k = {top_k} is invalid: it must be in [1, n_experts = {n_experts}]")
+    one = 8 * d * d if expert_params is None else _count("expert_params", expert_params)
+    extra = d * n_experts if router else 0
+    return MoECount(stored=n_experts * one + extra, active=top_k * one + extra)
+
+
+def moe_params(d: int, L: int, V: int, n_experts: int, top_k: int, *, router: bool = False) -> MoECount:
+    """A 12Ld² + Vd tower whose feed-forward rooms are MoE layers: L(4d² + MoE) + Vd, stored and active.
+
+    U19 §3's widget (d=4 096, L=32, V=32 000, 8 experts, top 2): about 36.64 billion stored,
+    10.87 billion active.
+    """
+    d, L, V = _count("d", d), _count("L", L), _count("V", V)
+    ffn = moe_ffn_params(d, n_experts, top_k, router=router)
+    attention, table = 4 * d * d, V * d
+    return MoECount(stored=L * (attention + ffn.stored) + table, active=L * (attention + ffn.active) + table)
+
+
+def lora_params(d_in: int, d_out: int, r: int) -> int:
+    """A rank-r adapter ΔW = BA on a d_in×d_out matrix (U19 §10): r(d_in + d_out) numbers, 2dr when square."""
+    return _count("r", r) * (_count("d_in", d_in) + _count("d_out", d_out))
+
+
+def lora_model_params(d: int, L: int, r: int, n_matrices: int = 2) -> int:
+    """Adapters on ``n_matrices`` d×d matrices (query and value by default) in each of L layers: L·n·2dr.
+
+    U19 §10: d=4 096, L=32, r=8 on W_Q and W_V gives 4 194 304.
+    """
+    return _count("L", L) * _count("n_matrices", n_matrices) * lora_params(d, d, r)
+
+
+def lora_minillm_params(cfg: ModelConfig, r: int, targets: tuple[str, ...] = ("wq", "wv")) -> int:
+    """Adapters on the named projections of every MiniLLM layer (DESIGN §1 layout): r(d_in + d_out) each.
+
+    W^Q and W^O are d × h_q·d_h (either way round), W^K and W^V are d × h_kv·d_h, gate/up d × m, down m × d.
+    """
+    d, q, kv, m = cfg.d_model, cfg.n_heads * cfg.d_head, cfg.n_kv_heads * cfg.d_head, cfg.d_ff
+    shapes = {"wq": (d, q), "wk": (d, kv), "wv": (d, kv), "wo": (q, d), "w_gate": (d, m), "w_up": (d, m),
+              "w_down": (m, d)}
+    unknown = [t for t in targets if t not in shapes]
+    if unknown or not targets:
+        raise ConfigError(f"LoRA targets {list(targets)!r} are invalid: choose one or more of {sorted(shapes)}")
+    return cfg.n_layers * sum(lora_params(*shapes[t], r) for t in targets)
+
+
+# ----- compute ------------------------------------------------------------------------------------
+
+def training_flops(N, D):
+    """C ≈ 6ND (U19 §8): 2N per token forward, 4N backward. Chinchilla (70B, 1.4T): 5.88e23."""
+    N, D = np.asarray(N, dtype=float), np.asarray(D, dtype=float)
+    if np.any(~(N > 0)) or np.any(~(D > 0)):
+        raise InputError(f"training_flops needs N > 0 and D > 0; got N = {N!r}, D = {D!r}")
+    out = 6.0 * N * D
+    return float(out) if out.ndim == 0 else out
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Weights used in a matrix product per token: L(2d·h_q·d_h + 2d·h_kv·d_h + 3dm) + dV.
+
+    The embedding lookup is a gather (no multiply-adds) and is left out; the output projection Λ = RU is a
+    real d×V product whether or not U = Eᵀ, so it is counted once either way. Norm gains are elementwise.
+    """
+    d, L = cfg.d_model, cfg.n_layers
+    per_layer = 2 * d * cfg.n_heads * cfg.d_head + 2 * d * cfg.n_kv_heads * cfg.d_head + 3 * d * cfg.d_ff
+    return L * per_layer + d * cfg.vocab_size
+
+
+def train_flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = False) -> float:
+    """Training FLOPs per token (forward + backward = 3 × forward) for windows of ``seq_len`` tokens.
+
+    6·N_mm + 12·L·T·h_q·d_h, with N_mm = ``matmul_params(cfg)``: a weight costs 2 FLOPs per token forward
+    and 4 backward (U19 §8), and per layer the scores QKᵀ and the mix AV each cost 2·T·h_q·d_h FLOPs per
+    query forward, so 4·T·h_q·d_h forward, 12·T·h_q·d_h for training (the form of PaLM's 6N + 12LHQT).
+
+    ``causal=False`` counts the full T×T score matrix, which is what ``ops.attention`` computes (masked
+    entries are computed, then discarded): use it for achieved FLOP/s. ``causal=True`` counts only the
+    unmasked entries, (T+1)/2 keys per query on average: 6·N_mm + 6·L·(T+1)·h_q·d_h.
+    """
+    T = _count("seq_len", seq_len)
+    keys_per_query = (T + 1) / 2 if causal else T
+    attention = 12 * cfg.n_layers * keys_per_query * cfg.n_heads * cfg.d_head
+    return float(6 * matmul_params(cfg) + attention)
+
+
+# ----- KV cache -----------------------------------------------------------------------------------
+
+def kv_rows(n: int, cached: bool) -> int:
+    """Rows of keys/values one layer computes to write n tokens (U19 §6): n with a cache, n(n+1)/2 without."""
+    n = _count("n", n, minimum=0)
+    return n if cached else n * (n + 1) // 2
+
+
+class KVShape(NamedTuple):
+    """The three numbers a KV cache depends on, for models that are not a ``ModelConfig``."""
+
+    n_layers: int
+    n_kv_heads: int
+    d_head: int
+
+
+def _kv_shape(model) -> KVShape:
+    if isinstance(model, ModelConfig):
+        return KVShape(model.n_layers, model.n_kv_heads, model.d_head)
+    if isinstance(model, tuple) and len(model) == 3:
+        return KVShape(*(_count(name, v) for name, v in zip(KVShape._fields, model)))
+    raise InputError(f"expected a ModelConfig or KVShape(n_layers, n_kv_heads, d_head); got {model!r}")
+
+
+def kv_cache_scalars(model, seq_len: int, batch: int = 1) -> int:
+    """Cached scalars after ``seq_len`` tokens (M20 §14): 2·L·t·h_kv·d_h per sequence, times ``batch``.
+
+    The 2 is one key and one value. M20's running example after its three inputs: 12.
+    """
+    shape = _kv_shape(model)
+    t, b = _count("seq_len", seq_len, minimum=0), _count("batch", batch)
+    return 2 * shape.n_layers * t * shape.n_kv_heads * shape.d_head * b
+
+
+def bytes_per_scalar(dtype) -> int:
+    """Bytes of one number: an int is taken as the byte count; anything NumPy reads as a dtype is converted."""
+    if isinstance(dtype, numbers.Integral) and not isinstance(dtype, bool):
+        return _count("bytes per scalar", dtype)
+    try:
+        return np.dtype(dtype).itemsize
+    except TypeError:
+        raise InputError(f"dtype = {dtype!r} is neither a dtype nor a number of bytes per scalar") from None
+
+
+def kv_cache_bytes(model, seq_len: int, batch: int = 1, dtype="float32") -> int:
+    """KV-cache bytes (U19 §6): 2·L·t·h_kv·d_h·b·batch, b = bytes per scalar (a dtype or an int).
+
+    7B-class (L=32, 32 heads of 128), 4 096 tokens, 2 bytes: 2 GiB with 32 KV heads, 512 MiB with 8,
+    64 MiB with 1. Runtime overhead (allocator padding, page tables) is not included.
+    """
+    return kv_cache_scalars(model, seq_len, batch) * bytes_per_scalar(dtype)

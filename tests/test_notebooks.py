@@ -1,0 +1,59 @@
+"""Execute the notebooks (each asserts the seed's numbers in its cells) with small settings.
+
+The kernel is ``python3`` of the interpreter running the tests (jupyter_client maps the spec's ``python`` to
+``sys.executable``); the notebooks are committed with their outputs stripped.
+"""
+
+from pathlib import Path
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+
+NOTEBOOKS = Path(__file__).parents[1] / "notebooks"
+
+
+def execute(name: str, monkeypatch, **env: str):
+    """Run a notebook in a fresh ``python3`` kernel, which inherits this process's environment."""
+    for key, value in {"MLX_LLM_NB_QUICK": "1", "JAX_PLATFORMS": "cpu", "MPLBACKEND": "Agg", **env}.items():
+        monkeypatch.setenv(key, value)
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    nbclient.NotebookClient(nb, kernel_name="python3", timeout=600,
+                            resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
+    return nb
+
+
+def printed(nb) -> str:
+    return "".join(out.get("text", "") for cell in nb.cells if cell.cell_type == "code"
+                   for out in cell.get("outputs", []) if out.get("output_type") == "stream")
+
+
+@pytest.mark.parametrize("name", ["running_example.ipynb", "scaling_laws.ipynb"])
+def test_committed_without_outputs(name):
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    nbformat.validate(nb)
+    assert nb.metadata.kernelspec.name == "python3"
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            assert cell.outputs == [] and cell.execution_count is None, "strip the outputs before committing"
+
+
+def test_running_example_notebook(monkeypatch):
+    text = printed(execute("running_example.ipynb", monkeypatch))
+    assert "loss 1.109373924 -> 1.084831548" in text
+    assert "tied=False: 50 parameters" in text and "tied=True: 42 parameters" in text
+    assert "12 scalars, 48 bytes" in text
+
+
+def test_scaling_laws_notebook(monkeypatch):
+    text = printed(execute("scaling_laws.ipynb", monkeypatch))
+    assert "L = 1.9933" in text and "L = 1.9366" in text and "L = 1.9300" in text
+    if "are not on this machine" not in text:
+        assert "240 runs, 16 starts" in text and "converged: True" in text
+
+
+def test_scaling_laws_notebook_without_the_published_runs(monkeypatch, tmp_path):
+    text = printed(execute("scaling_laws.ipynb", monkeypatch, MLX_LLM_RUNS_CSV=str(tmp_path / "absent.csv")))
+    assert "are not on this machine" in text
+    assert "L = 1.9300" in text  # everything that does not need the runs still runs and checks
