@@ -25,7 +25,7 @@ import numpy as np
 
 from mlx_llm.config import ModelConfig
 from mlx_llm.errors import InputError
-from mlx_llm.ops import attention, causal_mask, rms_norm, rope, swiglu
+from mlx_llm.ops import causal_attention, causal_mask, dense, rms_norm, rope, swiglu
 
 Params = dict
 
@@ -96,9 +96,9 @@ def embed(params: Params, tokens_BT: jax.Array) -> jax.Array:
 
 def attention_qkv(x_BTD, layer, cfg: ModelConfig, positions_BT):
     """M20 §5: Q_j = X W^Q_j, K_g = X W^K_g, V_g = X W^V_g; RoPE on Q and K only."""
-    q_BTHK = jnp.einsum("btd,dhk->bthk", x_BTD, layer["wq"])
-    k_BTGK = jnp.einsum("btd,dgk->btgk", x_BTD, layer["wk"])
-    v_BTGK = jnp.einsum("btd,dgk->btgk", x_BTD, layer["wv"])
+    q_BTHK = dense(x_BTD, layer["wq"])
+    k_BTGK = dense(x_BTD, layer["wk"])
+    v_BTGK = dense(x_BTD, layer["wv"])
     q_BTHK = rope(q_BTHK, positions_BT, cfg.rope_base, cfg.rope_scale)
     k_BTGK = rope(k_BTGK, positions_BT, cfg.rope_base, cfg.rope_scale)
     return q_BTHK, k_BTGK, v_BTGK
@@ -106,7 +106,8 @@ def attention_qkv(x_BTD, layer, cfg: ModelConfig, positions_BT):
 
 def attention_output(o_BTHK, layer) -> jax.Array:
     """M20 §6: A(X) = Concat(O_0, …, O_{h_q−1}) W^O."""
-    return jnp.einsum("bthk,hkd->btd", o_BTHK, layer["wo"])
+    b, t, h, k = o_BTHK.shape
+    return dense(o_BTHK.reshape(b, t, h * k), layer["wo"].reshape(h * k, -1))
 
 
 def ffn_sublayer(z_BTD, layer, cfg: ModelConfig) -> jax.Array:
@@ -119,7 +120,7 @@ def block(h_BTD, layer, cfg: ModelConfig, positions_BT, mask_BTS) -> jax.Array:
     """M20 §7 boxed block: Z = H + A(N_γa(H)); H' = Z + F(N_γf(Z)). The residual carries H, not N(H)."""
     x_BTD = rms_norm(h_BTD, layer["attn_norm"], cfg.norm_eps)
     q, k, v = attention_qkv(x_BTD, layer, cfg, positions_BT)
-    z_BTD = h_BTD + attention_output(attention(q, k, v, mask_BTS), layer)
+    z_BTD = h_BTD + attention_output(causal_attention(q, k, v, mask_BTS), layer)
     return ffn_sublayer(z_BTD, layer, cfg)
 
 
@@ -127,7 +128,7 @@ def logits_from_hidden(h_BTD, params: Params, cfg: ModelConfig) -> jax.Array:
     """M20 §8: R = N_γo(H⁽ᴸ⁾), Λ = R U."""
     r_BTD = rms_norm(h_BTD, params["final_norm"], cfg.norm_eps)
     acc = jnp.promote_types(r_BTD.dtype, jnp.float32)  # logits leave in ≥ float32 for softmax and loss
-    return jnp.einsum("btd,dv->btv", r_BTD, unembed_matrix(params, cfg), preferred_element_type=acc)
+    return dense(r_BTD, unembed_matrix(params, cfg), preferred_element_type=acc)
 
 
 def hidden_states(params: Params, tokens_BT, cfg: ModelConfig, *, positions_BT=None, segment_ids_BT=None):

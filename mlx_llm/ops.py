@@ -58,20 +58,45 @@ def causal_mask(segment_ids_BT: jax.Array | None, batch: int, length: int) -> ja
 def attention(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, mask_BTS: jax.Array) -> jax.Array:
     """M20 §6 causal GQA attention: S_j = Q̃_j K̃_g(j)ᵀ/√d_h + M, A_j = softmax_row(S_j), O_j = A_j V_g(j).
 
-    Query head j reads key/value head g(j) = ⌊j / R⌋, R = H/G: heads are grouped, never averaged.
-    ``mask_BTS`` is boolean; masked scores get the most negative finite value so a fully masked row
-    (padding) gives finite, ignorable output instead of NaN.
+    Query head j reads key/value head g(j) = ⌊j / R⌋, R = H/G: heads are grouped, never averaged. The R query
+    heads of a group are stacked as M = R·T rows against that group's S keys, so both products are plain
+    batched matrix products over (B, G) with no copy of the large score tensor (the small Q/K/V/O tensors are
+    transposed instead). ``mask_BTS`` is boolean; masked scores get the most negative finite value so a fully
+    masked row (padding) gives finite, ignorable output instead of NaN.
     """
     b, t, h, k = q_BTHK.shape
     g = k_BSGK.shape[2]
-    q_BTGRK = q_BTHK.reshape(b, t, g, h // g, k)
+    r = h // g
     acc = _accum_dtype(q_BTHK.dtype)
-    scores_BGRTS = jnp.einsum("btgrk,bsgk->bgrts", q_BTGRK, k_BSGK, preferred_element_type=acc)
-    scores_BGRTS = scores_BGRTS / jnp.sqrt(jnp.asarray(k, acc))
+    q_BGMK = q_BTHK.reshape(b, t, g, r, k).transpose(0, 2, 3, 1, 4).reshape(b, g, r * t, k)
+    k_BGSK = k_BSGK.transpose(0, 2, 1, 3)
+    v_BGSK = v_BSGK.transpose(0, 2, 1, 3)
+    scores_BGMS = jnp.einsum("bgmk,bgsk->bgms", q_BGMK, k_BGSK, preferred_element_type=acc)
+    scores_BGRTS = scores_BGMS.reshape(b, g, r, t, -1) / jnp.sqrt(jnp.asarray(k, acc))
     scores_BGRTS = jnp.where(mask_BTS[:, None, None], scores_BGRTS, jnp.finfo(acc).min)
-    probs_BGRTS = softmax(scores_BGRTS, axis=-1).astype(v_BSGK.dtype)
-    o_BTGRK = jnp.einsum("bgrts,bsgk->btgrk", probs_BGRTS, v_BSGK, preferred_element_type=acc)
-    return o_BTGRK.reshape(b, t, h, k).astype(q_BTHK.dtype)
+    probs_BGMS = softmax(scores_BGRTS, axis=-1).astype(v_BSGK.dtype).reshape(b, g, r * t, -1)
+    o_BGMK = jnp.einsum("bgms,bgsk->bgmk", probs_BGMS, v_BGSK, preferred_element_type=acc)
+    return o_BGMK.reshape(b, g, r, t, k).transpose(0, 3, 1, 2, 4).reshape(b, t, h, k).astype(q_BTHK.dtype)
+
+
+def causal_attention(q_BTHK: jax.Array, k_BTGK: jax.Array, v_BTGK: jax.Array, mask_BTS: jax.Array,
+                     block: int = 64) -> jax.Array:
+    """``attention`` for a causal mask over the same T positions, skipping the blocks the mask removes.
+
+    Query block i (rows i·c … (i+1)·c − 1) can only read keys 0 … (i+1)·c − 1, so it is computed against those
+    keys alone: with n blocks the score work falls from n² to n(n+1)/2 blocks (exactly the same result — the
+    skipped keys would have had weight exactly 0). At most 8 blocks, so the traced program stays small.
+    """
+    t = q_BTHK.shape[1]
+    n = min(8, t // block) if block > 0 else 1
+    while n > 1 and t % n:
+        n -= 1
+    if n <= 1:
+        return attention(q_BTHK, k_BTGK, v_BTGK, mask_BTS)
+    c = t // n
+    outs = [attention(q_BTHK[:, i * c:(i + 1) * c], k_BTGK[:, :(i + 1) * c], v_BTGK[:, :(i + 1) * c],
+                      mask_BTS[:, i * c:(i + 1) * c, :(i + 1) * c]) for i in range(n)]
+    return jnp.concatenate(outs, axis=1)
 
 
 def softmax(x: jax.Array, axis: int = -1) -> jax.Array:
@@ -81,8 +106,20 @@ def softmax(x: jax.Array, axis: int = -1) -> jax.Array:
     return e / jnp.sum(e, axis=axis, keepdims=True)
 
 
+def dense(x, w, preferred_element_type=None) -> jax.Array:
+    """x (..., I) times w (I, ...) as one 2-D matrix product, X W (M20 §5–§8: projections multiply on the right).
+
+    Leading dimensions are flattened first (a free reshape): XLA:CPU lays out the backward of a 2-D product
+    without the transposed copies it inserts for the same product written with extra batch-like dimensions.
+    """
+    lead, out = x.shape[:-1], w.shape[1:]
+    y = jnp.matmul(x.reshape(-1, x.shape[-1]), w.reshape(w.shape[0], -1),
+                   preferred_element_type=preferred_element_type)
+    return y.reshape(*lead, *out)
+
+
 def swiglu(y_BTD: jax.Array, w_gate_DF: jax.Array, w_up_DF: jax.Array, w_down_FD: jax.Array) -> jax.Array:
     """M20 §7: F(Y) = [SiLU(Y W_gate) ⊙ (Y W_up)] W_down, SiLU(a) = a σ(a)."""
-    a_BTF = y_BTD @ w_gate_DF
-    u_BTF = y_BTD @ w_up_DF
-    return (jax.nn.silu(a_BTF) * u_BTF) @ w_down_FD
+    a_BTF = dense(y_BTD, w_gate_DF)
+    u_BTF = dense(y_BTD, w_up_DF)
+    return dense(jax.nn.silu(a_BTF) * u_BTF, w_down_FD)

@@ -5,8 +5,9 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from mlx_llm.ops import attention, causal_mask, rms_norm, rope, rope_frequencies, softmax
+from mlx_llm.ops import attention, causal_attention, causal_mask, rms_norm, rope, rope_frequencies, softmax
 
 
 def test_rope_frequencies_u19():
@@ -82,3 +83,15 @@ def test_gqa_attention_matches_per_head_reference():
 def test_causal_mask_with_segments():
     m = np.asarray(causal_mask(jnp.array([[0, 0, 1]]), 1, 3))[0]
     np.testing.assert_array_equal(m, [[1, 0, 0], [1, 1, 0], [0, 0, 1]])
+
+
+@pytest.mark.parametrize("t, block", [(12, 2), (13, 4), (16, 64), (9, 3)])
+def test_block_causal_attention_equals_full(t, block):
+    """Skipping the key blocks the causal mask removes changes nothing (segments included)."""
+    kq, kk, kv = jax.random.split(jax.random.key(3), 3)
+    q = jax.random.normal(kq, (2, t, 4, 4), jnp.float64)
+    k = jax.random.normal(kk, (2, t, 2, 4), jnp.float64)
+    v = jax.random.normal(kv, (2, t, 2, 4), jnp.float64)
+    seg = jnp.asarray(np.repeat([[0, 1, 1, 2]], 2, 0).repeat(4, 1)[:, :t])
+    mask = causal_mask(seg, 2, t)
+    np.testing.assert_allclose(causal_attention(q, k, v, mask, block), attention(q, k, v, mask), rtol=0, atol=1e-14)
