@@ -207,3 +207,61 @@ def test_four_devices_equal_one_device():
     assert res["devices"] == [1, 4]
     np.testing.assert_allclose(res["loss4"], res["loss1"], rtol=0, atol=1e-6)
     assert res["max_param_diff"] <= 1e-6
+
+
+def test_sigkill_mid_training_resumes_from_last_checkpoint(tmp_path, corpus_dir):
+    """A run killed with SIGKILL (no chance to clean up) resumes from its last checkpoint and finishes."""
+    import signal
+    import time
+
+    model = tmp_path / "model.json"
+    TINY.to_json(model)
+    out = tmp_path / "killed"
+    common = ["--cache-dir", str(tmp_path / "cache"), "--no-progress"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    args = [sys.executable, "-m", "mlx_llm", "train", "--data", str(corpus_dir), "--extensions", ".py",
+            "--val-percent", "20", "--tokenizer", "byte", "--config", str(model), "--out", str(out),
+            "--steps", "600", "--warmup-steps", "5", "--batch-size", "4", "--seq-len", "32", "--eval-interval",
+            "600", "--eval-tokens", "256", "--checkpoint-interval", "10", "--log-interval", "10",
+            "--sample-tokens", "4", *common]
+    proc = subprocess.Popen(args, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    ckpt_dir = out / "checkpoints"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if ckpt_dir.is_dir() and any(p.name.isdigit() and int(p.name) >= 20 for p in ckpt_dir.iterdir()):
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run finished or died before it could be killed: " + proc.stderr.read().decode()
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = Checkpoints(out).latest_step()
+    assert killed_at is not None and 20 <= killed_at < 600
+    resumed = subprocess.run([sys.executable, "-m", "mlx_llm", "train", "--resume", "--out", str(out), *common],
+                             env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"from step {killed_at}" in resumed.stdout
+    assert Checkpoints(out).latest_step() == 600
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
+             if "loss" in json.loads(line)]
+    assert steps == list(range(1, 601))  # every step exactly once: none lost, none repeated
+
+
+def test_bfloat16_compute_keeps_float32_master_weights(corpus_dir):
+    from mlx_llm.parallel import make_mesh, replicated
+    from mlx_llm.train import device_batch, init_state, jit_train_step, optimizer_for, summed_loss
+
+    tcfg32, tcfg16 = tiny_train(), tiny_train(compute_dtype="bfloat16")
+    mesh = make_mesh()
+    rng = np.random.default_rng(0)
+    batch = {"tokens": rng.integers(0, 263, (4, 32)), "targets": rng.integers(0, 263, (4, 32)),
+             "mask": np.ones((4, 32), np.float32), "segment_ids": np.zeros((4, 32), np.int32),
+             "positions": np.tile(np.arange(32), (4, 1))}
+    state = init_state(TINY, tcfg16, optimizer_for(tcfg16))
+    l32, n = summed_loss(state.params, batch, TINY, jnp.float32)
+    l16, _ = summed_loss(state.params, batch, TINY, jnp.bfloat16)
+    assert l16.dtype == jnp.float32  # logits and loss in float32 even when the blocks run in bf16
+    assert abs(float(l16 - l32)) / float(n) < 0.02 and float(l16) != float(l32)
+    state = jax.device_put(state, replicated(mesh))
+    new, metrics = jit_train_step(TINY, tcfg16, mesh)(state, device_batch(batch, mesh))
+    assert all(a.dtype == jnp.float32 for a in jax.tree.leaves(new.params))
+    assert np.isfinite(float(metrics["loss"]))
