@@ -1,0 +1,207 @@
+"""Decode speed, measured side by side in one run (U19 §6, M20 §14).
+
+Decoders of the same greedy continuation:
+  cached scan   mlx_llm.generate.generate: prefill + one lax.scan over steps, KV cache (the library's path);
+                decode steps run the blocks over per-layer weight arrays (unroll_layers=True, the default)
+  layer scan    the same with unroll_layers=False: each step scans the stacked weights, and XLA copies every
+                layer's weight slice before its matmul (an extra read + write of all weights per token)
+  python loop   a jitted one-token forward_cached step, called from Python once per token (cache donated)
+  recompute     no cache: a jitted full forward over the whole prefix for every new token
+
+Per-token times at several contexts show U19 §6's line against the triangle: the cached step reads the cache
+but computes one K/V row per layer, the recompute step computes all n+1 rows again. At batch 1 decoding is
+bound by reading memory, so the script also measures the machine's read bandwidth (a jitted sum over a large
+float32 array, best of several) and reports the fraction of the weight-streaming bound achieved:
+
+    bound per token = (bytes of weights read per token + bytes of K/V cache read per token) / bandwidth
+
+Usage: python experiments/bench_decode.py [--quick] [--d-model 512 --n-layers 8 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mlx_llm import ModelConfig, forward, init_params
+from mlx_llm.accounting import kv_cache_bytes, kv_rows
+from mlx_llm.cache import forward_cached, init_cache, unstack_layers
+from mlx_llm.generate import generate
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--d-model", type=int, default=512)
+    ap.add_argument("--n-layers", type=int, default=8)
+    ap.add_argument("--n-heads", type=int, default=8)
+    ap.add_argument("--n-kv-heads", type=int, default=2)
+    ap.add_argument("--d-ff", type=int, default=1408)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 2048])
+    ap.add_argument("--new-tokens", type=int, default=64, help="tokens decoded per timed run")
+    ap.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (best is kept)")
+    ap.add_argument("--bandwidth-gib", type=float, default=1.0, help="size of the array summed to measure bandwidth")
+    ap.add_argument("--quick", action="store_true", help="small run (~30 s): context 256 only, 16 tokens")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.contexts, args.new_tokens, args.repeats, args.bandwidth_gib = [256], 16, 3, 0.25
+    return args
+
+
+def wall(fn):
+    """Seconds taken by ``fn()``, which must block until its result is ready."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def best_of(timers, repeats):
+    """Best time of each timer, run round-robin (warm-up first) so all of them see the same machine load."""
+    for timer in timers.values():
+        timer()
+    best = {name: float("inf") for name in timers}
+    for _ in range(repeats):
+        for name, timer in timers.items():
+            best[name] = min(best[name], timer())
+    return best
+
+
+def read_bandwidth(gib, repeats):
+    """Bytes per second of a jitted sum over a float32 array of ``gib`` GiB (reads every byte once)."""
+    x = jnp.ones((int(gib * 2**30) // 4,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    seconds = best_of({"sum": lambda: wall(lambda: total(x).block_until_ready())}, max(repeats, 5))["sum"]
+    del x
+    return gib * 2**30 / seconds
+
+
+def weight_bytes_per_token(params, cfg):
+    """Every weight is read once per decode step, except the embedding table: only one row of it."""
+    n_bytes = sum(a.nbytes for a in jax.tree.leaves(params))
+    if not cfg.tie_embeddings:
+        n_bytes -= params["embed"].nbytes - params["embed"][0].nbytes
+    return n_bytes
+
+
+def cached_timers(params, cfg, prompt, n_new):
+    """Timers of n_new greedy decode steps after a (untimed) prefill, cache donated, for three decoders.
+
+    'scan' / 'lscan' are generate()'s decode loop: one jitted lax.scan over steps of forward_cached + argmax,
+    over per-layer weights (generate's default) or scanning the stacked weights. 'loop' calls a jitted
+    one-token step from Python once per token.
+    """
+    prefill = jax.jit(lambda p, x, c: forward_cached(p, x, c, cfg))
+    layers = unstack_layers(params)  # separate per-layer buffers, made once
+
+    def step_fn(cache, tok_B1, layers):
+        logits, cache = forward_cached(params, tok_B1, cache, cfg, layers=layers)
+        return cache, jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None]
+
+    def scan_fn(cache, tok_B1, layers):
+        body = lambda carry, _: (step_fn(*carry, layers), None)
+        return jax.lax.scan(body, (cache, tok_B1), None, length=n_new)[0]
+
+    step, scan = jax.jit(step_fn, donate_argnums=0), jax.jit(scan_fn, donate_argnums=0)
+    b, t = prompt.shape
+
+    def timed(decode):
+        logits, cache = prefill(params, prompt, init_cache(cfg, b, t + n_new, params["embed"].dtype))
+        tok = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None]
+        jax.block_until_ready((tok, cache))
+        t0 = time.perf_counter()
+        jax.block_until_ready(decode(cache, tok))
+        return time.perf_counter() - t0
+
+    def loop(cache, tok):
+        for _ in range(n_new):
+            cache, tok = step(cache, tok, layers)
+        return tok
+
+    return {"scan": lambda: timed(lambda c, x: scan(c, x, layers)),
+            "lscan": lambda: timed(lambda c, x: scan(c, x, None)),
+            "loop": lambda: timed(loop)}
+
+
+def recompute_timer(params, cfg, prompt):
+    """No cache: one new token at context n costs a full forward over n + 1 positions."""
+    fwd = jax.jit(lambda p, x: jnp.argmax(forward(p, x, cfg)[:, -1], axis=-1))
+    x = jnp.concatenate([prompt, prompt[:, :1]], axis=1)
+    return lambda: wall(lambda: fwd(params, x).block_until_ready())
+
+
+def measure(params, cfg, prompt, n_new, repeats):
+    """Per-token seconds of each decoder at this prompt's context."""
+    timers = dict(cached_timers(params, cfg, prompt, n_new), recompute=recompute_timer(params, cfg, prompt))
+    best = best_of(timers, repeats)
+    return {name: t if name == "recompute" else t / n_new for name, t in best.items()}
+
+
+def generate_check(params, cfg, prompt, n_new, repeats):
+    """generate() itself, end to end: (t(1 + n_new) − t(1)) / n_new is its per-token decode time."""
+    run = lambda n: lambda: wall(lambda: generate(params, cfg, prompt, n).tokens.block_until_ready())
+    best = best_of({"n": run(1 + n_new), "1": run(1)}, repeats)
+    return best["1"], (best["n"] - best["1"]) / n_new
+
+
+def in_place_check(params, cfg, max_len, layers):
+    """Compiled memory of one donated decode step: temporaries far below the cache size = no full copy."""
+    step = jax.jit(forward_cached, static_argnames="cfg", donate_argnames="cache")
+    cache = init_cache(cfg, 1, max_len, params["embed"].dtype)
+    mem = step.lower(params, jnp.zeros((1, 1), jnp.int32), cache, cfg, layers=layers).compile().memory_analysis()
+    return mem.temp_size_in_bytes, kv_cache_bytes(cfg, max_len, 1, params["embed"].dtype)
+
+
+def describe(args, cfg, params, w_bytes):
+    """Print the machine, the model, the read bandwidth and the in-place check; return the bandwidth."""
+    print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), dtype {args.dtype}")
+    print(f"model: d={cfg.d_model} L={cfg.n_layers} heads {cfg.n_heads}q/{cfg.n_kv_heads}kv d_head={cfg.d_head} "
+          f"d_ff={cfg.d_ff} V={cfg.vocab_size}: {cfg.param_count() / 1e6:.1f}M parameters, "
+          f"{w_bytes / 2**20:.1f} MiB of weights read per token")
+    bw = read_bandwidth(args.bandwidth_gib, args.repeats)
+    print(f"read bandwidth (jitted sum over {args.bandwidth_gib:g} GiB float32, best of ≥5): {bw / 1e9:.1f} GB/s")
+    for name, layers in (("per-layer weights", unstack_layers(params)), ("layer scan", None)):
+        temp, cache_b = in_place_check(params, cfg, max(args.contexts) + args.new_tokens, layers)
+        print(f"one decode step ({name}), cache of {cache_b / 2**20:.1f} MiB: compiled temporaries "
+              f"{temp / 2**20:.2f} MiB")
+    print("  (the cache update is in place: no temporary of the cache's size. Temporaries: one layer's K/V slice"
+          " copied for the attention matmul; under the layer scan also one layer's weights, copied every step)")
+    return bw
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    dtype = jnp.dtype(args.dtype)
+    cfg = ModelConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
+                      n_kv_heads=args.n_kv_heads, d_head=args.d_model // args.n_heads, d_ff=args.d_ff,
+                      max_seq_len=max(args.contexts) + args.new_tokens + 1)
+    # an RBG key: the weights' values do not matter here, and threefry compiles slowly on a small CPU
+    params = jax.jit(init_params, static_argnums=(0, 2))(cfg, jax.random.key(0, impl="rbg"), dtype)
+    w_bytes = weight_bytes_per_token(params, cfg)
+    bw = describe(args, cfg, params, w_bytes)
+    rng = np.random.default_rng(0)
+    prompts = {ctx: jnp.asarray(rng.integers(0, cfg.vocab_size, (1, ctx)), jnp.int32) for ctx in args.contexts}
+    head = (f"\n{'context':>7} | {'cached scan':>11} | {'layer scan':>11} | {'python loop':>11} | {'recompute':>10} | "
+            f"{'recomp/cached':>13} | {'rows n vs n(n+1)/2':>19} | {'bound':>8} | {'of bound':>8}")
+    print(head + "\n" + "-" * (len(head) - 1))
+    for ctx, prompt in prompts.items():
+        m = measure(params, cfg, prompt, args.new_tokens, args.repeats)
+        t_bound = (w_bytes + kv_cache_bytes(cfg, ctx, 1, dtype)) / bw
+        rows = f"{kv_rows(ctx, True)} vs {kv_rows(ctx, False)}"
+        print(f"{ctx:>7} | {m['scan'] * 1e3:>8.2f} ms | {m['lscan'] * 1e3:>8.2f} ms | {m['loop'] * 1e3:>8.2f} ms | "
+              f"{m['recompute'] * 1e3:>7.1f} ms | {m['recompute'] / m['scan']:>12.1f}x | {rows:>19} | "
+              f"{t_bound * 1e3:>5.2f} ms | {t_bound / m['scan']:>7.0%}")
+    ctx0 = args.contexts[0]
+    t_first, t_tok = generate_check(params, cfg, prompts[ctx0], args.new_tokens, args.repeats)
+    print(f"\ngenerate() end to end at context {ctx0}: prefill + first token {t_first * 1e3:.1f} ms, then "
+          f"{t_tok * 1e3:.2f} ms per token ({1 / t_tok:.0f} tokens/s)")
+    print("per-token times, batch 1; tokens/s = 1000 / ms. 'bound' = (weights + K/V cache at that context) / "
+          "bandwidth; 'of bound' = bound / cached-scan time.")
+
+
+if __name__ == "__main__":
+    main()

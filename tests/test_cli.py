@@ -1,0 +1,105 @@
+"""The real `mlx-llm` entry point in a subprocess: user errors give one line, exit 2, and touch nothing."""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def cli(*args, env_extra=None, timeout=600):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env_extra or {})}
+    return subprocess.run([sys.executable, "-m", "mlx_llm", *map(str, args)], capture_output=True, text=True,
+                          env=env, timeout=timeout, cwd=REPO)
+
+
+def snapshot(root: Path) -> dict:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """A corpus, a finished tiny run, a few config files; shared by the error cases (which must not alter it)."""
+    ws = tmp_path_factory.mktemp("cli")
+    corpus = ws / "corpus"
+    corpus.mkdir()
+    for i in range(8):
+        (corpus / f"m{i}.py").write_text("".join(f"def f{j}(x):\n    return x * {j} + {i}\n" for j in range(40)))
+    (ws / "empty").mkdir()
+    (ws / "bad.json").write_text("{not json")
+    model = dict(vocab_size=263, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_head=8, d_ff=16, max_seq_len=32)
+    (ws / "model.json").write_text(json.dumps(model))
+    (ws / "model_unknown.json").write_text(json.dumps({**model, "n_experts": 4}))
+    (ws / "model_gqa.json").write_text(json.dumps({**model, "n_kv_heads": 3}))
+    run = ws / "run"
+    proc = cli("train", "--data", corpus, "--out", run, "--config", ws / "model.json", "--tokenizer", "byte",
+               "--steps", 4, "--warmup-steps", 1, "--batch-size", 2, "--seq-len", 16, "--eval-interval", 2,
+               "--eval-tokens", 64, "--checkpoint-interval", 2, "--sample-tokens", 5, "--no-progress",
+               "--cache-dir", ws / "cache")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "bits/byte" in proc.stdout and "sample:" in proc.stdout
+    return ws
+
+
+def test_eval_and_generate_on_a_run(workspace):
+    proc = cli("eval", "--run", workspace / "run", "--cache-dir", workspace / "cache")
+    assert proc.returncode == 0, proc.stderr
+    assert "step 4: val loss" in proc.stdout and "bits/byte" in proc.stdout
+    proc = cli("generate", "--run", workspace / "run", "--prompt", "def ", "--max-new-tokens", 6, "--json")
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads(proc.stdout)
+    assert record["checkpoint_step"] == 4 and record["prompt_ids"][0] == 256 and record["seed"] == 0
+    assert len(record["continuation_ids"]) <= 6
+
+
+CASES = [
+    (["train", "--data", "{ws}/missing_dir", "--out", "{ws}/new0"], r"missing_dir"),
+    (["train", "--data", "{ws}/empty", "--out", "{ws}/new1"], r"no .* files|empty|nothing"),
+    (["train", "--config", "{ws}/bad.json", "--out", "{ws}/new2"], r"bad.json' is not valid JSON"),
+    (["train", "--config", "{ws}/model_unknown.json", "--out", "{ws}/new3"],
+     r"unknown ModelConfig field\(s\) \['n_experts'\]"),
+    (["train", "--config", "{ws}/model_gqa.json", "--out", "{ws}/new4"],
+     r"n_heads = 2 is not divisible by n_kv_heads = 3"),
+    (["train", "--data", "{ws}/corpus", "--out", "{ws}/run", "--tokenizer", "byte"],
+     r"already holds a run; pass --resume"),
+    (["train", "--resume", "--out", "{ws}/empty"], r"holds no run"),
+    (["train", "--resume", "--out", "{ws}/run", "--lr", "0.1"], r"--resume continues a run exactly as it was"),
+    (["train", "--data", "{ws}/corpus", "--out", "{ws}/new5", "--config", "{ws}/model.json", "--seq-len", "64",
+      "--tokenizer", "byte"], r"seq_len = 64 is longer than the model's max_seq_len = 32"),
+    (["train", "--steps", "0", "--out", "{ws}/new6"], r"TrainConfig.steps = 0 is invalid"),
+    (["train", "--compute-dtype", "float16"], r"invalid choice: 'float16'"),
+    (["train", "--bogus"], r"unrecognized arguments: --bogus"),
+    (["eval", "--run", "{ws}/empty"], r"is not a run directory"),
+    (["generate", "--run", "{ws}/run", "--prompt", "x", "--temperature", "0"], r"temperature"),
+    (["generate", "--run", "{ws}/run", "--prompt", "x", "--max-new-tokens", "100"], r"max_seq_len|too long"),
+]
+
+
+@pytest.mark.parametrize("args, message", CASES, ids=[" ".join(c[0][:3]) for c in CASES])
+def test_user_errors(workspace, args, message):
+    before = snapshot(workspace)
+    proc = cli(*[a.format(ws=workspace) for a in args])
+    assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+    err = proc.stderr.strip()
+    assert "Traceback" not in proc.stderr
+    assert len(err.splitlines()) == 1, err
+    import re
+
+    assert re.search(message, err), err
+    assert snapshot(workspace) == before  # nothing pre-existing modified, no run directory created
+
+
+def test_batch_not_divisible_by_devices(workspace):
+    before = snapshot(workspace)
+    proc = cli("train", "--data", workspace / "corpus", "--out", workspace / "new7", "--config",
+               workspace / "model.json", "--tokenizer", "byte", "--batch-size", 3, "--seq-len", 16,
+               "--cache-dir", workspace / "cache2", env_extra={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "batch_size = 3 (micro-batch 3 with grad_accum = 1) cannot be split over 2 devices" in proc.stderr
+    assert snapshot(workspace) == before
