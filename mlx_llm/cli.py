@@ -7,7 +7,6 @@ the fix on stderr and exits with status 2, without a traceback; nothing already 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time

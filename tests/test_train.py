@@ -250,7 +250,7 @@ def test_bfloat16_compute_keeps_float32_master_weights(corpus_dir):
     from mlx_llm.parallel import make_mesh, replicated
     from mlx_llm.train import device_batch, init_state, jit_train_step, optimizer_for, summed_loss
 
-    tcfg32, tcfg16 = tiny_train(), tiny_train(compute_dtype="bfloat16")
+    tcfg16 = tiny_train(compute_dtype="bfloat16")
     mesh = make_mesh()
     rng = np.random.default_rng(0)
     batch = {"tokens": rng.integers(0, 263, (4, 32)), "targets": rng.integers(0, 263, (4, 32)),
