@@ -20,8 +20,8 @@ from mlx_llm.errors import MLXLLMError
 # BPE spends little of it on the vocabulary. vocab_size follows the tokenizer.
 MAIN_JOB_MODEL = ModelConfig(vocab_size=1024, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, d_head=32,
                              d_ff=352, max_seq_len=512, tie_embeddings=True)
-MAIN_JOB_TRAIN = TrainConfig(batch_size=32, seq_len=128, steps=500, lr=5e-3, warmup_steps=30,
-                             final_lr_fraction=0.1, eval_interval=250, eval_tokens=0, checkpoint_interval=100)
+MAIN_JOB_TRAIN = TrainConfig(batch_size=32, seq_len=128, steps=400, lr=5e-3, warmup_steps=30,
+                             final_lr_fraction=0.1, eval_interval=200, eval_tokens=0, checkpoint_interval=100)
 MAIN_JOB_VOCAB = 1024
 
 # flags that override a TrainConfig field (flag name → field)

@@ -1,0 +1,202 @@
+"""The CPU scaling-law sweep (experiments/scaling_sweep.py, U19 §8): its grid design, and one ``--quick`` run end
+to end in a subprocess (training 15 tiny models, both fits, the plots), then a rerun that must train nothing."""
+
+import csv
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mlx_llm.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "experiments" / "scaling_sweep.py"
+REQUIRED = ("name", "d_model", "n_layers", "N", "N_total", "D", "C", "steps", "batch_size", "seq_len", "loss",
+            "val_bpb", "wall_seconds")
+PLOTS = ("loss_vs_compute.png", "isoflop.png", "fitted_surface.png")
+PARAMS = ("E", "A", "B", "alpha", "beta")
+
+
+def _load_module():
+    spec = importlib.util.spec_from_file_location("scaling_sweep", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+sweep_mod = _load_module()
+
+
+# ----- the grid, without training ------------------------------------------------------------------------------
+@pytest.mark.parametrize("setting", [sweep_mod.FULL, sweep_mod.QUICK], ids=["full", "quick"])
+def test_grid_is_isoflop_shaped(setting):
+    """≥ 3 budgets spanning 30×, each with ≥ 5 distinct sizes whose C = 6·N_total·D is half a step from it."""
+    points = sweep_mod.grid(setting, setting.vocab_size)
+    budgets = setting.budgets()
+    assert len(budgets) >= 3 and budgets[-1] / budgets[0] == pytest.approx(30.0, rel=1e-12)
+    for budget in budgets:
+        group = [p for p in points if p["budget"] == budget]
+        sizes = {p["cfg"].param_count() for p in group}
+        assert len(group) >= 5 and len(sizes) == len(group)
+        for p in group:
+            C = 6.0 * p["cfg"].param_count() * p["tcfg"].steps * p["tcfg"].batch_size * p["tcfg"].seq_len
+            # Whole steps: within half a step of the budget (≤ 1.1% for the full grid's ≥ 45-step runs).
+            assert abs(C / budget - 1) <= 0.5 / p["tcfg"].steps + 1e-12
+            if setting is sweep_mod.FULL:
+                assert p["tcfg"].steps >= 45
+    names = [p["name"] for p in points]
+    assert len(set(names)) == len(names) >= 15
+
+
+def test_learning_rate_rule():
+    assert sweep_mod.peak_lr(64) == pytest.approx(4e-3)
+    assert sweep_mod.peak_lr(16) == pytest.approx(8e-3)
+    assert sweep_mod.peak_lr(256) == pytest.approx(2e-3)
+    assert [sweep_mod.warmup(s) for s in (2, 30, 500, 5000)] == [2, 3, 50, 100]
+
+
+# ----- one quick sweep end to end ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def quick_out(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sweep")
+    # Unoptimised XLA code: the quick sweep is compile-bound (15 train steps, 5 evals, init ops), and this cuts
+    # its CPU time by about a third; the steps themselves run slower, which a few thousand tiny steps can afford.
+    flags = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
+    command = [sys.executable, str(SCRIPT), "--quick", "--out", str(out / "sweep"), "--cache-dir", str(out / "cache")]
+    proc = subprocess.run(command, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+def _rows(out):
+    return _read_csv(out / "sweep" / "sweep.csv")
+
+
+def _read_csv(path):
+    with path.open(newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def _huber_objective(params, N, D, L, delta=1e-3):
+    """Hoffmann et al.'s Approach 3 objective, Σ Huber_δ(log L̂(N, D) − log L), in NumPy."""
+    r = np.log(params["E"] + params["A"] / N ** params["alpha"] + params["B"] / D ** params["beta"]) - np.log(L)
+    return float(np.sum(np.where(np.abs(r) <= delta, 0.5 * r * r, delta * (np.abs(r) - 0.5 * delta))))
+
+
+def test_csv_rows(quick_out):
+    rows = _rows(quick_out)
+    assert len(rows) >= 15 and set(REQUIRED) <= set(rows[0])
+    num = {k: np.array([float(r[k]) for r in rows]) for k in REQUIRED if k != "name"}
+    assert all(np.all(np.isfinite(v)) for v in num.values())
+    assert np.all(num["N"] > 0) and np.all(num["N"] < num["N_total"]) and np.all(num["wall_seconds"] > 0)
+    np.testing.assert_allclose(num["C"], 6.0 * num["N_total"] * num["D"], rtol=1e-5)
+    np.testing.assert_array_equal(num["D"], num["steps"] * num["batch_size"] * num["seq_len"])
+    assert num["C"].max() / num["C"].min() >= 30.0
+    # Losses are below the uniform guess ln V (each run learned something) and above zero.
+    assert np.all(num["loss"] > 0) and np.all(num["loss"] < math.log(sweep_mod.QUICK.vocab_size))
+    # Every run is scored on the same val windows, so loss / bits-per-byte = ln 2 · bytes / targets is one number.
+    ratio = num["loss"] / num["val_bpb"]
+    np.testing.assert_allclose(ratio, ratio[0], rtol=2e-5)
+
+
+def test_fit_json(quick_out):
+    fit = json.loads((quick_out / "sweep" / "fit.json").read_text())
+    a3 = fit["approach3"]
+    values = [a3[k] for k in PARAMS]
+    assert all(math.isfinite(v) and v >= 0 for v in values) and a3["A"] > 0 and a3["B"] > 0
+    assert a3["N_opt_exponent"] == pytest.approx(a3["beta"] / (a3["alpha"] + a3["beta"]), rel=1e-12)
+    assert a3["N_opt_exponent"] + a3["D_opt_exponent"] == pytest.approx(1.0, abs=1e-12)
+    for k in PARAMS:
+        lo, hi = a3["ci95"][k]
+        assert lo <= hi
+    # The stored objective is Hoffmann's Huber loss of the stored parameters on the CSV's runs.
+    rows = _rows(quick_out)
+    N, D, L = (np.array([float(r[k]) for r in rows]) for k in ("N_total", "D", "loss"))
+    assert _huber_objective(a3, N, D, L) == pytest.approx(a3["objective"], rel=1e-6, abs=1e-12)
+    a2 = fit["approach2"]
+    assert "N_opt_exponent" in a2 and "D_opt_exponent" in a2
+    if a2["N_opt_exponent"] is not None:
+        assert a2["N_opt_exponent"] + a2["D_opt_exponent"] == pytest.approx(1.0, abs=1e-9)
+    else:
+        assert "budgets" in a2["error"]
+
+
+def test_plots(quick_out):
+    for name in PLOTS:
+        data = (quick_out / "sweep" / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_rerun_trains_nothing(quick_out):
+    before = (quick_out / "sweep" / "sweep.csv").read_text()
+    lines = []
+    sweep_mod.sweep(quick_out / "sweep", sweep_mod.QUICK, quick_out / "cache", log=lines.append)
+    assert (quick_out / "sweep" / "sweep.csv").read_text() == before
+    assert sum("already in sweep.csv, skipped" in line for line in lines) == len(_rows(quick_out)) >= 15
+
+
+def test_other_grid_refused(quick_out):
+    with pytest.raises(ConfigError, match="another grid"):
+        sweep_mod.sweep(quick_out / "sweep", sweep_mod.FULL, quick_out / "cache")
+
+
+# ----- the committed results of one full default sweep -----------------------------------------------------------
+RESULTS = REPO / "experiments" / "results"
+
+
+def test_committed_sweep_csv():
+    rows = _read_csv(RESULTS / "sweep.csv")
+    assert len(rows) >= 15 and set(REQUIRED) <= set(rows[0])
+    num = {k: np.array([float(r[k]) for r in rows]) for k in REQUIRED if k != "name"}
+    assert all(np.all(np.isfinite(v)) for v in num.values())
+    np.testing.assert_allclose(num["C"], 6.0 * num["N_total"] * num["D"], rtol=1e-5)
+    np.testing.assert_array_equal(num["D"], num["steps"] * num["batch_size"] * num["seq_len"])
+    assert num["C"].max() / num["C"].min() >= 30.0
+    expected = {p["name"]: p for p in sweep_mod.grid(sweep_mod.FULL, sweep_mod.FULL.vocab_size)}
+    assert {r["name"] for r in rows} == set(expected)  # exactly the default grid
+    for r in rows:
+        p = expected[r["name"]]
+        assert (int(r["N_total"]), int(r["steps"])) == (p["cfg"].param_count(), p["tcfg"].steps)
+    for budget in sweep_mod.FULL.budgets():  # every budget of the default grid has a valley inside its sizes
+        pick = np.abs(num["C"] / budget - 1) < 0.02
+        losses = num["loss"][pick][np.argsort(num["N_total"][pick])]
+        assert pick.sum() >= 5 and losses.argmin() not in (0, len(losses) - 1)
+
+
+def test_committed_fits_match_the_csv():
+    """fit.json is what the two approaches give on sweep.csv: Approach 2 recomputed exactly; Approach 3's stored
+    objective is the Huber loss at its parameters, and no 1% move of one parameter lowers it."""
+    from mlx_llm.scaling import isoflop_fit
+
+    fit = json.loads((RESULTS / "fit.json").read_text())
+    rows = _read_csv(RESULTS / "sweep.csv")
+    N, D, L = (np.array([float(r[k]) for r in rows]) for k in ("N_total", "D", "loss"))
+    iso = isoflop_fit(N, D, L, budgets=sweep_mod.FULL.budgets())
+    a2 = fit["approach2"]
+    assert iso["a"] == pytest.approx(a2["N_opt_exponent"], rel=1e-9)
+    np.testing.assert_allclose(iso["N_opt"], a2["N_opt"], rtol=1e-9)
+    assert 0.3 < a2["N_opt_exponent"] < 0.7  # Hoffmann et al. report 0.49 for their Approach 2
+    a3 = fit["approach3"]
+    best = _huber_objective(a3, N, D, L)
+    assert best == pytest.approx(a3["objective"], rel=1e-6)
+    for k in PARAMS:
+        for step in (0.99, 1.01):
+            assert _huber_objective({**a3, k: a3[k] * step}, N, D, L) > best
+    assert a3["converged"] and a3["n_starts"] == 4500
+    for k in PARAMS:
+        lo, hi = a3["ci95"][k]
+        assert lo <= a3[k] <= hi
+
+
+def test_committed_plots():
+    for name in PLOTS:
+        data = (RESULTS / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and 5000 < len(data) < 200_000
