@@ -8,6 +8,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -58,8 +59,8 @@ def final_params(out):
 
 
 def assert_trees_equal(a, b):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    chex.assert_trees_all_equal_structs(a, b)
+    chex.assert_trees_all_equal(a, b)  # bitwise, leaf by leaf
 
 
 @pytest.fixture(scope="module")
