@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from mlx_llm import ModelConfig, forward, init_params
-from mlx_llm.loss import masked_cross_entropy
+from mlx_llm.objectives.loss import masked_cross_entropy
 
 
 def compile_seconds(cfg: ModelConfig, batch: int, seq_len: int) -> float:

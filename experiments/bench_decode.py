@@ -28,9 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from mlx_llm import ModelConfig, forward, init_params
-from mlx_llm.accounting import kv_cache_bytes, kv_rows
-from mlx_llm.cache import forward_cached, init_cache, unstack_layers
-from mlx_llm.generate import generate
+from mlx_llm.scaling.accounting import kv_cache_bytes, kv_rows
+from mlx_llm.decode.state import forward_cached, init_cache, unstack_layers
+from mlx_llm.decode.generate import generate
 
 
 def parse_args(argv=None):

@@ -20,10 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from mlx_llm import ModelConfig
-from mlx_llm.accounting import train_flops_per_token
+from mlx_llm.scaling.accounting import train_flops_per_token
 from mlx_llm.config import TrainConfig
-from mlx_llm.parallel import make_mesh, replicated
-from mlx_llm.train import device_batch, init_state, jit_train_step, optimizer_for
+from mlx_llm.train.parallel import make_mesh, replicated
+from mlx_llm.train.step import device_batch, init_state, jit_train_step, optimizer_for
 
 
 def timed(fn, *args) -> float:

@@ -52,12 +52,12 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
-from mlx_llm import data as data_lib
-from mlx_llm import tokenizer as tok_lib
-from mlx_llm.checkpoint import CONFIG_FILE, write_run_files
+from mlx_llm.train import data as data_lib
+from mlx_llm.train import tokenizer as tok_lib
+from mlx_llm.train.checkpoint import CONFIG_FILE, write_run_files
 from mlx_llm.config import ModelConfig, TrainConfig
 from mlx_llm.errors import ConfigError
-from mlx_llm.run import DataSpec, train_loop
+from mlx_llm.train.run import DataSpec, train_loop
 
 COLUMNS = ("name", "budget", "d_model", "n_layers", "n_heads", "d_ff", "N", "N_total", "D", "C", "steps",
            "batch_size", "seq_len", "lr", "warmup_steps", "loss", "val_bpb", "val_ppl", "wall_seconds",
@@ -233,7 +233,7 @@ def load_sweep(csv_path: Path) -> dict:
 def fit_sweep(runs: dict, bootstrap: int, budgets, grid=None) -> dict:
     """Approach 3 (``fit_chinchilla``, with bootstrap) and Approach 2 (``isoflop_fit``) on the sweep's runs."""
     from mlx_llm.errors import MLXLLMError
-    from mlx_llm.scaling import fit_chinchilla, isoflop_fit, optimal_exponents
+    from mlx_llm.scaling.laws import fit_chinchilla, isoflop_fit, optimal_exponents
 
     fit = fit_chinchilla(runs["N"], runs["D"], runs["loss"], bootstrap=bootstrap, seed=0, grid=grid,
                          polish_top=3 if grid is None else 1)
@@ -265,7 +265,7 @@ def write_outputs(out: Path, runs: dict, result: dict, budgets, dpi: int = 90) -
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from mlx_llm.scaling import chinchilla_loss, compute_optimal, loss_at_budget
+    from mlx_llm.scaling.laws import chinchilla_loss, compute_optimal, loss_at_budget
 
     (out / "fit.json").write_text(json.dumps({k: v for k, v in result.items() if k != "params"}, indent=2) + "\n")
     params, iso = result["params"], result["approach2"]

@@ -87,7 +87,7 @@ def train_configs(args) -> tuple[ModelConfig, TrainConfig]:
 
 
 def cmd_train(args) -> int:
-    from mlx_llm.run import DataSpec, train_run
+    from mlx_llm.train.run import DataSpec, train_run
 
     out = args.out or Path("runs") / time.strftime("run-%Y%m%d-%H%M%S")
     if args.resume:
@@ -114,7 +114,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from mlx_llm.run import evaluate_run
+    from mlx_llm.train.run import evaluate_run
 
     step, res = evaluate_run(args.run, cache_dir=args.cache_dir, step=args.step)
     print(f"{args.run} step {step}: val loss {res.loss:.4f} nats/token, perplexity {res.perplexity:.3f}, "
@@ -123,7 +123,7 @@ def cmd_eval(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from mlx_llm.run import generate_from_run
+    from mlx_llm.train.run import generate_from_run
 
     record = generate_from_run(args.run, args.prompt, max_new_tokens=args.max_new_tokens,
                                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mlx_llm import ModelConfig, examples, init_params
-from mlx_llm.accounting import (
+from mlx_llm.scaling.accounting import (
     KVShape, approx_params, bytes_per_scalar, gpt2_block_params, gpt2_params, kv_cache_bytes, kv_cache_scalars,
     kv_rows, lora_minillm_params, lora_model_params, lora_params, matmul_params, minillm_params, moe_ffn_params,
     moe_params, train_flops_per_token, training_flops, tree_size)
@@ -157,7 +157,7 @@ def test_train_flops_per_token_matches_xla_count():
     XLA also counts elementwise work (norms, softmax, SwiGLU), so agreement is to ~10 %. One layer: XLA's
     cost analysis counts the body of the layer scan once, whatever its trip count."""
     from mlx_llm import forward
-    from mlx_llm.loss import masked_cross_entropy
+    from mlx_llm.objectives.loss import masked_cross_entropy
 
     cfg = ModelConfig(vocab_size=256, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, d_head=16, d_ff=128,
                       max_seq_len=64)

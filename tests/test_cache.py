@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mlx_llm import ModelConfig, examples, forward, init_params
-from mlx_llm.cache import KVCache, forward_cached, init_cache, kv_cache_bytes, unstack_layers
+from mlx_llm.decode.state import KVCache, forward_cached, init_cache, kv_cache_bytes, unstack_layers
 from mlx_llm.errors import InputError
 
 cached = jax.jit(forward_cached, static_argnames="cfg")

@@ -5,8 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from mlx_llm import data as D
-from mlx_llm import tokenizer as T
+from mlx_llm.train import data as D
+from mlx_llm.train import tokenizer as T
 from mlx_llm.errors import ConfigError, DataError, InputError
 
 BYTE = T.ByteTokenizer()

@@ -10,8 +10,8 @@ import pytest
 
 from mlx_llm import ModelConfig, examples, forward, init_params
 from mlx_llm.errors import ConfigError, InputError
-from mlx_llm.generate import _sample_jit, generate
-from mlx_llm.sampling import DecodeSettings, decoding_logprobs
+from mlx_llm.decode.generate import _sample_jit, generate
+from mlx_llm.decode.sampling import DecodeSettings, decoding_logprobs
 
 full = jax.jit(forward, static_argnames="cfg")
 

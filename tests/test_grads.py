@@ -1,4 +1,4 @@
-"""M20 §11: the hand-derived backward (mlx_llm.grads) against jax.vjp / jax.grad and central differences."""
+"""M20 §11: the hand-derived backward (mlx_llm.objectives.grads) against jax.vjp / jax.grad and central differences."""
 
 import ast
 import functools
@@ -12,10 +12,11 @@ from jax.flatten_util import ravel_pytree
 
 jax.config.update("jax_enable_x64", True)
 
-from mlx_llm import examples, grads, init_params, ops  # noqa: E402
+from mlx_llm import examples, init_params, ops  # noqa: E402
+from mlx_llm.objectives import grads  # noqa: E402
 from mlx_llm.config import ModelConfig  # noqa: E402
 from mlx_llm.errors import InputError  # noqa: E402
-from mlx_llm.loss import masked_cross_entropy  # noqa: E402
+from mlx_llm.objectives.loss import masked_cross_entropy  # noqa: E402
 from mlx_llm.model import block, embed, forward  # noqa: E402
 
 REL = 1e-10

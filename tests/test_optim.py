@@ -12,8 +12,8 @@ from jax.flatten_util import ravel_pytree
 
 from mlx_llm import examples, forward
 from mlx_llm.errors import ConfigError
-from mlx_llm.loss import masked_cross_entropy
-from mlx_llm.optim import decay_mask, make_optimizer, warmup_cosine
+from mlx_llm.objectives.loss import masked_cross_entropy
+from mlx_llm.train.optim import decay_mask, make_optimizer, warmup_cosine
 
 
 def _setup(tie=False):

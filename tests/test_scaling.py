@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import scipy.optimize
 
-from mlx_llm.accounting import training_flops
+from mlx_llm.scaling.accounting import training_flops
 from mlx_llm.errors import DataError, InputError
-from mlx_llm.scaling import (
+from mlx_llm.scaling.laws import (
     CHINCHILLA, ChinchillaParams, chinchilla_loss, chinchilla_objective, compute_optimal, fit_chinchilla,
     fixed_ratio_split, huber, isoflop_fit, load_chinchilla_runs, loss_at_budget, optimal_exponents)
 

@@ -174,7 +174,7 @@ def test_committed_sweep_csv():
 def test_committed_fits_match_the_csv():
     """fit.json is what the two approaches give on sweep.csv: Approach 2 recomputed exactly; Approach 3's stored
     objective is the Huber loss at its parameters, and no 1% move of one parameter lowers it."""
-    from mlx_llm.scaling import isoflop_fit
+    from mlx_llm.scaling.laws import isoflop_fit
 
     fit = json.loads((RESULTS / "fit.json").read_text())
     rows = _read_csv(RESULTS / "sweep.csv")

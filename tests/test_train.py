@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from mlx_llm import ModelConfig, forward
-from mlx_llm.checkpoint import Checkpoints
+from mlx_llm.train.checkpoint import Checkpoints
 from mlx_llm.config import TrainConfig
 from mlx_llm.errors import CheckpointError, ConfigError
-from mlx_llm.run import DataSpec, TrainingDiverged, load_params, train_run
+from mlx_llm.train.run import DataSpec, TrainingDiverged, load_params, train_run
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ModelConfig(vocab_size=263, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, d_head=8, d_ff=32, max_seq_len=64)
@@ -52,7 +52,7 @@ def run(out, corpus_dir, tcfg, *, resume=False, cfg=TINY, cache=None):
 
 
 def final_params(out):
-    from mlx_llm.checkpoint import read_run_files
+    from mlx_llm.train.checkpoint import read_run_files
 
     cfg, tcfg, _ = read_run_files(out)
     return jax.device_get(load_params(out, cfg, tcfg))
@@ -147,7 +147,7 @@ def test_seq_len_longer_than_model_rejected(tmp_path, corpus_dir):
 
 def test_segment_mask_isolates_documents_in_a_training_window(corpus_dir):
     """A token's logits do not change when another document in the same packed window changes."""
-    from mlx_llm.data import pack_windows
+    from mlx_llm.train.data import pack_windows
 
     cfg = TINY
     params = __import__("mlx_llm").init_params(cfg, jax.random.key(0), dtype=jnp.float64)
@@ -170,8 +170,8 @@ MULTI_DEVICE_SCRIPT = textwrap.dedent("""
     import jax, numpy as np
     from mlx_llm import ModelConfig
     from mlx_llm.config import TrainConfig
-    from mlx_llm.parallel import make_mesh, replicated
-    from mlx_llm.train import device_batch, init_state, jit_train_step, optimizer_for
+    from mlx_llm.train.parallel import make_mesh, replicated
+    from mlx_llm.train.step import device_batch, init_state, jit_train_step, optimizer_for
     assert jax.device_count() == 4, jax.devices()
     cfg = ModelConfig(vocab_size=50, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_head=4, d_ff=24,
                       max_seq_len=16)
@@ -248,8 +248,8 @@ def test_sigkill_mid_training_resumes_from_last_checkpoint(tmp_path, corpus_dir)
 
 
 def test_bfloat16_compute_keeps_float32_master_weights(corpus_dir):
-    from mlx_llm.parallel import make_mesh, replicated
-    from mlx_llm.train import device_batch, init_state, jit_train_step, optimizer_for, summed_loss
+    from mlx_llm.train.parallel import make_mesh, replicated
+    from mlx_llm.train.step import device_batch, init_state, jit_train_step, optimizer_for, summed_loss
 
     tcfg16 = tiny_train(compute_dtype="bfloat16")
     mesh = make_mesh()

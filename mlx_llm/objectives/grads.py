@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from mlx_llm.config import ModelConfig
-from mlx_llm.loss import check_loss_mask, masked_cross_entropy
+from mlx_llm.objectives.loss import check_loss_mask, masked_cross_entropy
 from mlx_llm.model import (attention_output, attention_qkv, check_tokens, embed, unembed_matrix)
 from mlx_llm.ops import attention, causal_mask, rms_norm, rope, softmax, swiglu
 

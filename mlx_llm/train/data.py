@@ -38,7 +38,7 @@ from typing import Sequence
 import numpy as np
 
 from mlx_llm.errors import ConfigError, DataError, InputError
-from mlx_llm.tokenizer import Tokenizer
+from mlx_llm.train.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -20,10 +20,10 @@ import numpy as np
 import optax
 
 from mlx_llm.config import ModelConfig, TrainConfig
-from mlx_llm.loss import token_nll
+from mlx_llm.objectives.loss import token_nll
 from mlx_llm.model import hidden_states, init_params, logits_from_hidden
-from mlx_llm.optim import make_optimizer, warmup_cosine
-from mlx_llm.parallel import batch_sharding, replicated
+from mlx_llm.train.optim import make_optimizer, warmup_cosine
+from mlx_llm.train.parallel import batch_sharding, replicated
 
 BATCH_KEYS = ("tokens", "targets", "mask", "segment_ids", "positions")
 

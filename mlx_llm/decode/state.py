@@ -21,7 +21,7 @@ from mlx_llm.errors import InputError
 from mlx_llm.model import Params, attention_output, attention_qkv, check_tokens, embed, ffn_sublayer, logits_from_hidden
 from mlx_llm.ops import attention, rms_norm
 
-from mlx_llm.accounting import kv_cache_bytes  # noqa: F401  (re-exported: U19 §6's 2·L·t·h_kv·d_h·bytes)
+from mlx_llm.scaling.accounting import kv_cache_bytes  # noqa: F401  (re-exported: U19 §6's 2·L·t·h_kv·d_h·bytes)
 
 
 @flax.struct.dataclass

@@ -16,15 +16,15 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from mlx_llm import data as data_lib
-from mlx_llm import tokenizer as tok_lib
-from mlx_llm.accounting import train_flops_per_token
-from mlx_llm.checkpoint import (CONFIG_FILE, Checkpoints, abstract_like, read_run_files, write_run_files)
+from mlx_llm.train import data as data_lib
+from mlx_llm.train import tokenizer as tok_lib
+from mlx_llm.scaling.accounting import train_flops_per_token
+from mlx_llm.train.checkpoint import (CONFIG_FILE, Checkpoints, abstract_like, read_run_files, write_run_files)
 from mlx_llm.config import ModelConfig, TrainConfig
 from mlx_llm.errors import CheckpointError, ConfigError, MLXLLMError
 from mlx_llm.model import check_tokens
-from mlx_llm.parallel import check_batch_divisible, make_mesh, replicated
-from mlx_llm.train import (EvalResult, device_batch, evaluate, init_state, jit_train_step, make_eval_step,
+from mlx_llm.train.parallel import check_batch_divisible, make_mesh, replicated
+from mlx_llm.train.step import (EvalResult, device_batch, evaluate, init_state, jit_train_step, make_eval_step,
                            optimizer_for)
 
 METRICS_FILE, SUMMARY_FILE, SAMPLE_FILE, PLOT_FILE = "metrics.jsonl", "summary.json", "sample.txt", "loss.png"
@@ -307,7 +307,7 @@ def load_params(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, step: int | 
 def closing_sample(params, cfg: ModelConfig, tok, prompt: str, max_new_tokens: int, *, seed: int = 0,
                    temperature: float = 0.8, top_p: float = 0.95) -> str:
     """The prompt and a sampled continuation from the cached decoder (stops at EOS or the length limit)."""
-    from mlx_llm.generate import generate
+    from mlx_llm.decode.generate import generate
 
     ids = np.concatenate([[tok.bos_id], tok.encode(prompt)]).astype(np.int32)[None]
     n_new = max(1, min(max_new_tokens, cfg.max_seq_len - ids.shape[1]))
@@ -320,7 +320,7 @@ def closing_sample(params, cfg: ModelConfig, tok, prompt: str, max_new_tokens: i
 def generate_from_run(run_dir, prompt: str, *, max_new_tokens: int, temperature=None, top_k=None, top_p=None,
                       beam_width=None, seed: int = 0, step: int | None = None) -> dict:
     """Continue ``prompt`` with a run's checkpoint; the record holds everything needed to reproduce it (M20 §13)."""
-    from mlx_llm.generate import generate
+    from mlx_llm.decode.generate import generate
 
     run_dir = Path(run_dir)
     cfg, tcfg, _ = read_run_files(run_dir)

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import scipy.optimize
 
-from mlx_llm.accounting import training_flops
+from mlx_llm.scaling.accounting import training_flops
 from mlx_llm.errors import DataError, InputError
 
 

@@ -22,11 +22,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mlx_llm.cache import KVCache, forward_cached, init_cache, unstack_layers
+from mlx_llm.decode.state import KVCache, forward_cached, init_cache, unstack_layers
 from mlx_llm.config import ModelConfig
 from mlx_llm.errors import InputError
 from mlx_llm.model import Params, check_tokens
-from mlx_llm.sampling import DecodeSettings, beam_rank, beam_step, choose
+from mlx_llm.decode.sampling import DecodeSettings, beam_rank, beam_step, choose
 
 
 @flax.struct.dataclass

@@ -1,0 +1,1 @@
+"""Decoding: the decode state (KV cache, SSM state), sampling rules and the jitted generation loop."""

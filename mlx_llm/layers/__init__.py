@@ -1,0 +1,1 @@
+"""One module per sublayer kind: attention (GQA mixer), ffn (SwiGLU)."""
