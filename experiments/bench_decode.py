@@ -96,7 +96,7 @@ def cached_timers(params, cfg, prompt, n_new):
     one-token step from Python once per token.
     """
     prefill = jax.jit(lambda p, x, c: forward_cached(p, x, c, cfg))
-    layers = unstack_layers(params)  # separate per-layer buffers, made once
+    layers = unstack_layers(params, cfg)  # separate per-layer buffers, made once
 
     def step_fn(cache, tok_B1, layers):
         logits, cache = forward_cached(params, tok_B1, cache, cfg, layers=layers)
@@ -164,7 +164,7 @@ def describe(args, cfg, params, w_bytes):
           f"{w_bytes / 2**20:.1f} MiB of weights read per token")
     bw = read_bandwidth(args.bandwidth_gib, args.repeats)
     print(f"read bandwidth (jitted sum over {args.bandwidth_gib:g} GiB float32, best of ≥5): {bw / 1e9:.1f} GB/s")
-    for name, layers in (("per-layer weights", unstack_layers(params)), ("layer scan", None)):
+    for name, layers in (("per-layer weights", unstack_layers(params, cfg)), ("layer scan", None)):
         temp, cache_b = in_place_check(params, cfg, max(args.contexts) + args.new_tokens, layers)
         print(f"one decode step ({name}), cache of {cache_b / 2**20:.1f} MiB: compiled temporaries "
               f"{temp / 2**20:.2f} MiB")

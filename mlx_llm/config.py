@@ -15,7 +15,14 @@ from typing import Any
 
 from mlx_llm.errors import ConfigError
 
-_POSITIVE_INTS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_head", "d_ff", "max_seq_len")
+_POSITIVE_INTS = ("vocab_size", "d_model", "n_layers", "max_seq_len")
+
+# Sublayer kinds (DESIGN §1, "Variants") and the fields each one needs.
+MIXER_KINDS = ("attn",)
+FFN_KINDS = ("swiglu", "moe", "none")
+ROUTERS = ("sigmoid", "softmax")
+_NEEDS = {"attn": ("n_heads", "n_kv_heads", "d_head"), "swiglu": ("d_ff",),
+          "moe": ("n_experts", "moe_top_k", "moe_d_ff"), "none": ()}
 
 
 def _require_int(cfg, name: str, *, minimum: int) -> None:
@@ -82,25 +89,44 @@ class JsonConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig(JsonConfig):
-    """The dense MiniLLM of M20 §2: pre-RMSNorm, RoPE (rotate_half), GQA, SwiGLU, no biases.
+    """The MiniLLM of M20 §2 and its variants: a stack of pre-norm residual layers, each a context mixer then
+    an optional FFN (DESIGN §1, "Variants").
+
+    ``mixer_pattern`` and ``ffn_pattern`` repeat to fill ``n_layers`` (layer ℓ uses kind ℓ mod the pattern's
+    length); their lcm is the stack's period P. The default is the dense MiniLLM: GQA attention and SwiGLU in
+    every layer, with M20's parameter layout. Fields a kind needs are required only when a layer uses it.
 
     ``n_heads * d_head`` need not equal ``d_model`` (the generalisation of M20 §8's count).
     ``rope_scale`` multiplies every position before rotation (position interpolation, U19 §7):
     0.25 makes position 6000 act as 1500.
+
+    Mixture of experts (M20 §15, U19 §3): ``n_experts`` routed experts X, ``n_shared_experts`` S (always run),
+    ``moe_top_k`` k selected per token, each expert a SwiGLU of width ``moe_d_ff``; ``router`` "sigmoid"
+    (M20 §15: w_e = a_e/(ε_r + Σ_S a_j), ε_r = ``router_eps``) or "softmax" (U19 §3: softmax over the selected
+    logits); ``offset_rate`` u of the balancing rule b_e ← b_e + u·sign(mean load − load_e) (0 turns it off).
     """
 
     vocab_size: int
     d_model: int
     n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    d_head: int
-    d_ff: int
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
+    d_head: int | None = None
+    d_ff: int | None = None
     rope_base: float = 10000.0
     rope_scale: float = 1.0
     norm_eps: float = 1e-6
     tie_embeddings: bool = False
     max_seq_len: int
+    mixer_pattern: tuple[str, ...] = ("attn",)
+    ffn_pattern: tuple[str, ...] = ("swiglu",)
+    n_experts: int | None = None
+    n_shared_experts: int = 0
+    moe_top_k: int | None = None
+    moe_d_ff: int | None = None
+    router: str = "sigmoid"
+    router_eps: float = 1e-9
+    offset_rate: float = 0.0
 
     def __post_init__(self) -> None:
         for name in _POSITIVE_INTS:
@@ -109,6 +135,39 @@ class ModelConfig(JsonConfig):
             _require_float(self, name, positive=True)
         if not isinstance(self.tie_embeddings, bool):
             raise ConfigError(f"ModelConfig.tie_embeddings = {self.tie_embeddings!r} is invalid: it must be true or false")
+        self._check_patterns()
+        for kind in sorted(set(self.mixer_pattern) | set(self.ffn_pattern)):
+            for name in _NEEDS[kind]:
+                if getattr(self, name) is None:
+                    raise ConfigError(f"ModelConfig.{name} is not set: layers of kind {kind!r} need it "
+                                      f"(a positive integer)")
+        for name in ("n_heads", "n_kv_heads", "d_head", "d_ff", "n_experts", "moe_top_k", "moe_d_ff"):
+            if getattr(self, name) is not None:
+                _require_int(self, name, minimum=1)
+        _require_int(self, "n_shared_experts", minimum=0)
+        if "attn" in self.mixer_pattern:
+            self._check_attention()
+        if "moe" in self.ffn_pattern:
+            self._check_moe()
+
+    def _check_patterns(self) -> None:
+        for name, kinds in (("mixer_pattern", MIXER_KINDS), ("ffn_pattern", FFN_KINDS)):
+            value = getattr(self, name)
+            if isinstance(value, str) or not isinstance(value, (tuple, list)) or not value:
+                raise ConfigError(f"ModelConfig.{name} = {value!r} is invalid: it must be a non-empty list of kinds "
+                                  f"from {list(kinds)}")
+            bad = [k for k in value if k not in kinds]
+            if bad:
+                raise ConfigError(f"ModelConfig.{name} = {list(value)!r} has unknown kind(s) {bad}: valid kinds "
+                                  f"are {list(kinds)}")
+            object.__setattr__(self, name, tuple(value))  # JSON gives lists; a tuple keeps the config hashable
+        if self.n_layers % self.period:
+            raise ConfigError(
+                f"ModelConfig.n_layers = {self.n_layers} is not a multiple of the stack's period {self.period} (the "
+                f"lcm of mixer_pattern length {len(self.mixer_pattern)} and ffn_pattern length "
+                f"{len(self.ffn_pattern)}): the patterns must tile the stack exactly")
+
+    def _check_attention(self) -> None:
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(
                 f"ModelConfig.n_heads = {self.n_heads} is not divisible by n_kv_heads = {self.n_kv_heads}: "
@@ -120,21 +179,82 @@ class ModelConfig(JsonConfig):
                 f"ModelConfig.d_head = {self.d_head} is odd: RoPE rotates coordinate pairs, so d_head must be even"
             )
 
+    def _check_moe(self) -> None:
+        if not 1 <= self.moe_top_k <= self.n_experts:
+            raise ConfigError(f"ModelConfig.moe_top_k = {self.moe_top_k} is invalid: it must be in [1, n_experts = "
+                              f"{self.n_experts}]")
+        if self.router not in ROUTERS:
+            raise ConfigError(f"ModelConfig.router = {self.router!r} is invalid: valid routers are {list(ROUTERS)}")
+        _require_float(self, "router_eps", low=0.0, high=1.0)
+        _require_float(self, "offset_rate", low=0.0, high=1.0)
+
+    # ----- the stack ---------------------------------------------------------------------------------
+    @property
+    def period(self) -> int:
+        """P = lcm of the pattern lengths: layer ℓ and layer ℓ + P are of the same kinds."""
+        return math.lcm(len(self.mixer_pattern), len(self.ffn_pattern))
+
+    @property
+    def uniform(self) -> bool:
+        """Both patterns of length 1: ``params["blocks"]`` is one dict stacked over L (else a list of P)."""
+        return len(self.mixer_pattern) == 1 and len(self.ffn_pattern) == 1
+
+    def layer_kinds(self, layer: int) -> tuple[str, str]:
+        """(mixer kind, FFN kind) of layer ``layer`` (0-based)."""
+        return self.mixer_pattern[layer % len(self.mixer_pattern)], self.ffn_pattern[layer % len(self.ffn_pattern)]
+
+    @property
+    def group_kinds(self) -> tuple[tuple[str, str], ...]:
+        """The kinds of the P layers of one period (entry j of a mixed ``params["blocks"]``)."""
+        return tuple(self.layer_kinds(j) for j in range(self.period))
+
     # ----- derived sizes -------------------------------------------------------------------------
     @property
     def q_per_kv(self) -> int:
         """Query heads per key/value head, h_q / h_kv (M20 §6)."""
         return self.n_heads // self.n_kv_heads
 
-    def param_count(self) -> int:
-        """Closed-form count of M20 §8, generalised to ``n_heads * d_head != d_model``.
+    def mixer_param_count(self, kind: str) -> int:
+        """One mixer branch with its norm gain: attention 2d·h_q·d_h + 2d·h_kv·d_h + d (M20 §8)."""
+        d = self.d_model
+        if kind == "attn":
+            return 2 * d * self.n_heads * self.d_head + 2 * d * self.n_kv_heads * self.d_head + d
+        raise ConfigError(f"no parameter count for mixer kind {kind!r}; valid kinds are {list(MIXER_KINDS)}")
 
-        P = n_E·V·d + L·(2·d·h_q·d_h + 2·d·h_kv·d_h + 3·d·m + 2·d) + d, n_E = 1 tied, 2 untied.
-        """
-        d, L = self.d_model, self.n_layers
+    def ffn_param_count(self, kind: str, *, active: bool = False) -> int:
+        """One FFN branch with its norm gain: SwiGLU 3dm + d (M20 §8); MoE d + dX (router) + 3d·m_e per expert,
+        all X + S stored, k + S used by one token (U19 §3); none 0. Balancing offsets are routing state, not θ."""
+        d = self.d_model
+        if kind == "swiglu":
+            return 3 * d * self.d_ff + d
+        if kind == "moe":
+            experts = (self.moe_top_k if active else self.n_experts) + self.n_shared_experts
+            return d + d * self.n_experts + experts * 3 * d * self.moe_d_ff
+        return 0
+
+    def _count(self, active: bool) -> int:
         n_e = 1 if self.tie_embeddings else 2
-        per_block = 2 * d * self.n_heads * self.d_head + 2 * d * self.n_kv_heads * self.d_head + 3 * d * self.d_ff + 2 * d
-        return n_e * self.vocab_size * d + L * per_block + d
+        layers = sum(self.mixer_param_count(m) + self.ffn_param_count(f, active=active)
+                     for m, f in (self.layer_kinds(l) for l in range(self.n_layers)))
+        return n_e * self.vocab_size * self.d_model + layers + self.d_model
+
+    def param_count(self) -> int:
+        """Trainable parameters θ, closed form (M20 §8 generalised to ``n_heads * d_head != d_model`` and to
+        every layer kind): n_E·V·d + Σ_ℓ (mixer_ℓ + FFN_ℓ) + d, n_E = 1 tied, 2 untied.
+
+        Dense: P = n_E·V·d + L·(2·d·h_q·d_h + 2·d·h_kv·d_h + 3·d·m + 2·d) + d.
+        """
+        return self._count(active=False)
+
+    def active_param_count(self) -> int:
+        """Parameters one token's forward touches: every routed expert a token is not sent to is left out
+        (k of X per MoE layer; shared experts and the router always count). Equals ``param_count`` without MoE.
+        As usual, the whole embedding and unembedding tables count."""
+        return self._count(active=True)
+
+    def routing_state_count(self) -> int:
+        """Scalars of routing state (not θ): X balancing offsets per MoE layer (M20 §15)."""
+        return sum(self.n_experts for l in range(self.n_layers) if self.layer_kinds(l)[1] == "moe")
 
     def non_embedding_param_count(self) -> int:
         """Parameters outside the embedding/unembedding tables (the N of scaling-law fits)."""

@@ -1,7 +1,10 @@
-"""The dense MiniLLM: parameter initialisation and the forward pass (M20 §3–§9, §20).
+"""The MiniLLM stack: parameter initialisation and the forward pass (M20 §3–§9, §15, §20).
 
-Parameters follow the layout contract of DESIGN §1 (layers stacked on axis 0, projections multiply on the
-right). The block stack runs under one ``jax.lax.scan`` so compile time does not grow with depth.
+Parameters follow the layout contract of DESIGN §1. A layer is a context mixer then an optional FFN, each in
+its own pre-norm residual branch; the kinds come from ``cfg.mixer_pattern`` / ``cfg.ffn_pattern`` and each kind
+lives in ``mlx_llm.layers``. A uniform stack keeps ``params["blocks"]`` one dict stacked over L; a stack of
+period P > 1 holds a list of P such dicts, entry j holding layers j, j+P, … The blocks run under one
+``jax.lax.scan`` (over layers, or over the L/P groups), so compile time does not grow with depth.
 
 Initialisers (``init_params``), chosen for a pre-norm residual stack:
 - ``embed`` ~ N(0, 1) untied: RMSNorm rescales each block's input anyway, and a unit-scale residual stream
@@ -18,6 +21,7 @@ Initialisers (``init_params``), chosen for a pre-norm residual stack:
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,36 +29,46 @@ import numpy as np
 
 from mlx_llm.config import ModelConfig
 from mlx_llm.errors import InputError
-from mlx_llm.ops import causal_attention, causal_mask, dense, rms_norm, rope, swiglu
+from mlx_llm.layers import attention, ffn, moe
+from mlx_llm.ops import causal_mask, dense, rms_norm
 
 Params = dict
+
+MIXERS = {"attn": attention}
+FFNS = {"swiglu": ffn, "moe": moe}
+# Normal draws each kind's ``init`` makes (the key stream is split once, so the dense layout draws exactly the
+# keys it always drew: embed, wq, wk, wv, wo, w_gate, w_up, w_down, unembed).
+_DRAWS = {"attn": 4, "swiglu": 3, "moe": 7, "none": 0}
+
+
+class Context(NamedTuple):
+    """What every layer of one forward shares: positions (B, T) and the boolean attention mask (B, T, S)."""
+
+    positions_BT: jax.Array
+    mask_BTS: jax.Array | None
+    segment_ids_BT: jax.Array | None = None
+    slots_BT: jax.Array | None = None  # cached decoding only: where new K/V are written
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32) -> Params:
     """Random parameters in the DESIGN §1 layout (see the module docstring for the initialisers)."""
-    V, d, L, H, G, K, F = (cfg.vocab_size, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads,
-                           cfg.d_head, cfg.d_ff)
-    keys = iter(jax.random.split(key, 9))
+    V, d = cfg.vocab_size, cfg.d_model
+    n_draws = 2 + sum(_DRAWS[m] + _DRAWS[f] for m, f in cfg.group_kinds)
+    keys = iter(jax.random.split(key, n_draws))
 
     def normal(shape, std):
         return (std * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
 
-    resid = 1.0 / math.sqrt(2 * L)
-    params = {
-        "embed": normal((V, d), 1.0 / math.sqrt(d) if cfg.tie_embeddings else 1.0),
-        "blocks": {
-            "attn_norm": jnp.ones((L, d), dtype),
-            "wq": normal((L, d, H, K), 1 / math.sqrt(d)),
-            "wk": normal((L, d, G, K), 1 / math.sqrt(d)),
-            "wv": normal((L, d, G, K), 1 / math.sqrt(d)),
-            "wo": normal((L, H, K, d), resid / math.sqrt(H * K)),
-            "ffn_norm": jnp.ones((L, d), dtype),
-            "w_gate": normal((L, d, F), 1 / math.sqrt(d)),
-            "w_up": normal((L, d, F), 1 / math.sqrt(d)),
-            "w_down": normal((L, F, d), resid / math.sqrt(F)),
-        },
-        "final_norm": jnp.ones((d,), dtype),
-    }
+    embed_table = normal((V, d), 1.0 / math.sqrt(d) if cfg.tie_embeddings else 1.0)
+    n_groups = cfg.n_layers // cfg.period
+    groups = []
+    for mixer_kind, ffn_kind in cfg.group_kinds:
+        layer = MIXERS[mixer_kind].init(cfg, normal, n_groups, dtype)
+        if ffn_kind != "none":
+            layer.update(FFNS[ffn_kind].init(cfg, normal, n_groups, dtype))
+        groups.append(layer)
+    params = {"embed": embed_table, "blocks": groups[0] if cfg.uniform else groups,
+              "final_norm": jnp.ones((d,), dtype)}
     if not cfg.tie_embeddings:
         params["unembed"] = normal((d, V), 1 / math.sqrt(d))
     return params
@@ -94,34 +108,28 @@ def embed(params: Params, tokens_BT: jax.Array) -> jax.Array:
     return jnp.take(params["embed"], tokens_BT, axis=0, mode="fill", fill_value=jnp.nan)
 
 
-def attention_qkv(x_BTD, layer, cfg: ModelConfig, positions_BT):
-    """M20 §5: Q_j = X W^Q_j, K_g = X W^K_g, V_g = X W^V_g; RoPE on Q and K only."""
-    q_BTHK = dense(x_BTD, layer["wq"])
-    k_BTGK = dense(x_BTD, layer["wk"])
-    v_BTGK = dense(x_BTD, layer["wv"])
-    q_BTHK = rope(q_BTHK, positions_BT, cfg.rope_base, cfg.rope_scale)
-    k_BTGK = rope(k_BTGK, positions_BT, cfg.rope_base, cfg.rope_scale)
-    return q_BTHK, k_BTGK, v_BTGK
+def apply_layer(h_BTD, layer, kinds: tuple[str, str], cfg: ModelConfig, ctx: Context):
+    """One layer: H ← H + Mixer(N(H)), then H ← H + FFN(N(H)) unless the FFN kind is "none".
 
-
-def attention_output(o_BTHK, layer) -> jax.Array:
-    """M20 §6: A(X) = Concat(O_0, …, O_{h_q−1}) W^O."""
-    b, t, h, k = o_BTHK.shape
-    return dense(o_BTHK.reshape(b, t, h * k), layer["wo"].reshape(h * k, -1))
-
-
-def ffn_sublayer(z_BTD, layer, cfg: ModelConfig) -> jax.Array:
-    """M20 §7 second line: H = Z + F(N_γf(Z))."""
-    y_BTD = rms_norm(z_BTD, layer["ffn_norm"], cfg.norm_eps)
-    return z_BTD + swiglu(y_BTD, layer["w_gate"], layer["w_up"], layer["w_down"])
+    Returns (H', aux): aux holds the MoE expert load under the key of the offsets it steers, else {}.
+    """
+    mixer_kind, ffn_kind = kinds
+    h_BTD = MIXERS[mixer_kind].branch(h_BTD, layer, cfg, ctx)
+    if ffn_kind == "none":
+        return h_BTD, {}
+    return FFNS[ffn_kind].branch(h_BTD, layer, cfg)
 
 
 def block(h_BTD, layer, cfg: ModelConfig, positions_BT, mask_BTS) -> jax.Array:
-    """M20 §7 boxed block: Z = H + A(N_γa(H)); H' = Z + F(N_γf(Z)). The residual carries H, not N(H)."""
-    x_BTD = rms_norm(h_BTD, layer["attn_norm"], cfg.norm_eps)
-    q, k, v = attention_qkv(x_BTD, layer, cfg, positions_BT)
-    z_BTD = h_BTD + attention_output(causal_attention(q, k, v, mask_BTS), layer)
-    return ffn_sublayer(z_BTD, layer, cfg)
+    """M20 §7 boxed block of the dense model: Z = H + A(N_γa(H)); H' = Z + F(N_γf(Z))."""
+    return apply_layer(h_BTD, layer, cfg.layer_kinds(0), cfg, Context(positions_BT, mask_BTS))[0]
+
+
+def layer_list(params: Params, cfg: ModelConfig) -> list[tuple[dict, tuple[str, str]]]:
+    """(weights, kinds) of every layer in order, sliced out of the stacked blocks (tests, decoding)."""
+    groups = [params["blocks"]] if cfg.uniform else params["blocks"]
+    return [(jax.tree.map(lambda a: a[l // cfg.period], groups[l % cfg.period]), cfg.layer_kinds(l))
+            for l in range(cfg.n_layers)]
 
 
 def logits_from_hidden(h_BTD, params: Params, cfg: ModelConfig) -> jax.Array:
@@ -131,18 +139,34 @@ def logits_from_hidden(h_BTD, params: Params, cfg: ModelConfig) -> jax.Array:
     return dense(r_BTD, unembed_matrix(params, cfg), preferred_element_type=acc)
 
 
-def hidden_states(params: Params, tokens_BT, cfg: ModelConfig, *, positions_BT=None, segment_ids_BT=None):
-    """H⁽ᴸ⁾ = (B_L ∘ … ∘ B_1)(E[x]) with the blocks under one lax.scan."""
+def run_stack(h_BTD, params: Params, cfg: ModelConfig, ctx: Context):
+    """(B_L ∘ … ∘ B_1)(H) under one lax.scan: over layers (uniform) or over the L/P groups of P layers.
+
+    Returns (H⁽ᴸ⁾, aux) with aux stacked like ``params["blocks"]`` (MoE loads (L/P, X) under router_offset).
+    """
+    kinds = cfg.group_kinds
+
+    def step(h_BTD, group):
+        if cfg.uniform:
+            return apply_layer(h_BTD, group, kinds[0], cfg, ctx)
+        auxes = []
+        for layer, layer_kinds in zip(group, kinds):
+            h_BTD, aux = apply_layer(h_BTD, layer, layer_kinds, cfg, ctx)
+            auxes.append(aux)
+        return h_BTD, auxes
+
+    return jax.lax.scan(step, h_BTD, params["blocks"])
+
+
+def hidden_states(params: Params, tokens_BT, cfg: ModelConfig, *, positions_BT=None, segment_ids_BT=None,
+                  return_aux: bool = False):
+    """H⁽ᴸ⁾ = (B_L ∘ … ∘ B_1)(E[x]) (and, with ``return_aux``, the per-layer MoE loads)."""
     b, t = tokens_BT.shape
     if positions_BT is None:
         positions_BT = jnp.broadcast_to(jnp.arange(t), (b, t))
-    mask_BTS = causal_mask(segment_ids_BT, b, t)
-
-    def step(h_BTD, layer):
-        return block(h_BTD, layer, cfg, positions_BT, mask_BTS), None
-
-    h_BTD, _ = jax.lax.scan(step, embed(params, tokens_BT), params["blocks"])
-    return h_BTD
+    ctx = Context(positions_BT, causal_mask(segment_ids_BT, b, t), segment_ids_BT)
+    h_BTD, aux = run_stack(embed(params, tokens_BT), params, cfg, ctx)
+    return (h_BTD, aux) if return_aux else h_BTD
 
 
 def forward(params: Params, tokens_BT, cfg: ModelConfig, *, positions_BT=None, segment_ids_BT=None) -> jax.Array:

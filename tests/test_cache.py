@@ -79,7 +79,7 @@ def test_next_query_uses_absolute_position_3(ex):
 def test_full_equals_token_by_token_equals_chunks(i, dtype):
     cfg, params, tokens = model(i, dtype)
     ref = full(params, tokens, cfg)
-    cache, steps, layers = init_cache(cfg, 2, 12, dtype), [], unstack_layers(params)
+    cache, steps, layers = init_cache(cfg, 2, 12, dtype), [], unstack_layers(params, cfg)
     for t in range(tokens.shape[1]):  # one token at a time over per-layer weights, as generate's decode steps
         out, cache = cached(params, tokens[:, t : t + 1], cache, cfg, layers=layers)
         steps.append(out)
@@ -145,7 +145,7 @@ def test_decode_step_updates_cache_in_place(unrolled):
     params = random_params(cfg, 0, jnp.float32)
     cache = init_cache(cfg, 1, 2000, jnp.float32)
     step = jax.jit(forward_cached, static_argnames="cfg", donate_argnames="cache")
-    layers = unstack_layers(params) if unrolled else None
+    layers = unstack_layers(params, cfg) if unrolled else None
     mem = step.lower(params, jnp.zeros((1, 1), jnp.int32), cache, cfg, layers=layers).compile().memory_analysis()
     cache_bytes = kv_cache_bytes(cfg, 2000, 1, jnp.float32)
     assert mem.alias_size_in_bytes >= cache_bytes  # the new cache is the donated buffer …

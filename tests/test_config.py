@@ -71,11 +71,14 @@ def test_json_errors(tmp_path):
     bad.write_text("{not json")
     with pytest.raises(ConfigError, match=r"bad.json' is not valid JSON"):
         ModelConfig.from_json(bad)
-    bad.write_text(json.dumps({**BASE, "n_experts": 8}))
-    with pytest.raises(ConfigError, match=r"unknown ModelConfig field\(s\) \['n_experts'\]"):
+    bad.write_text(json.dumps({**BASE, "n_expert": 8}))
+    with pytest.raises(ConfigError, match=r"unknown ModelConfig field\(s\) \['n_expert'\]"):
         ModelConfig.from_json(bad)
     bad.write_text(json.dumps({k: v for k, v in BASE.items() if k != "d_ff"}))
-    with pytest.raises(ConfigError, match=r"missing required ModelConfig field\(s\) \['d_ff'\]"):
+    with pytest.raises(ConfigError, match=r"ModelConfig.d_ff is not set: layers of kind 'swiglu' need it"):
+        ModelConfig.from_json(bad)
+    bad.write_text(json.dumps({k: v for k, v in BASE.items() if k != "d_model"}))
+    with pytest.raises(ConfigError, match=r"missing required ModelConfig field\(s\) \['d_model'\]"):
         ModelConfig.from_json(bad)
     bad.write_text("[1, 2]")
     with pytest.raises(ConfigError, match=r"expected a JSON object of ModelConfig fields, got list"):

@@ -78,7 +78,7 @@ def _select(key, logits_BV, rows: _Rows, settings, eos_id, pad_id):
 
 def _sample(params, prompt_BT, lengths_B, key, *, cfg, settings, max_new_tokens, eos_id, pad_id, unroll_layers):
     logits_BV, cache = _prefill(params, prompt_BT, lengths_B, cfg, max_new_tokens)
-    layers = unstack_layers(params) if unroll_layers else None
+    layers = unstack_layers(params, cfg) if unroll_layers else None
     acc = jnp.promote_types(logits_BV.dtype, jnp.float32)
     b = prompt_BT.shape[0]
     rows = _Rows(done=jnp.zeros((b,), bool), length=jnp.zeros((b,), jnp.int32),
@@ -128,7 +128,7 @@ def _beam_select(t, logits_BWV, beams: _Beams, settings, eos_id, pad_id):
 def _beam(params, prompt_BT, lengths_B, *, cfg, settings, max_new_tokens, eos_id, pad_id, unroll_layers):
     w = settings.beam_width
     logits_BV, cache = _prefill(params, prompt_BT, lengths_B, cfg, max_new_tokens)
-    layers = unstack_layers(params) if unroll_layers else None
+    layers = unstack_layers(params, cfg) if unroll_layers else None
     b, v = logits_BV.shape
     cache = KVCache(k=jnp.repeat(cache.k, w, axis=1), v=jnp.repeat(cache.v, w, axis=1),
                     lengths=jnp.repeat(cache.lengths, w))

@@ -18,8 +18,8 @@ import numpy as np
 
 from mlx_llm.config import ModelConfig
 from mlx_llm.errors import InputError
-from mlx_llm.model import Params, attention_output, attention_qkv, check_tokens, embed, ffn_sublayer, logits_from_hidden
-from mlx_llm.ops import attention, rms_norm
+from mlx_llm.layers import attention
+from mlx_llm.model import FFNS, Context, Params, check_tokens, embed, layer_list, logits_from_hidden
 
 from mlx_llm.scaling.accounting import kv_cache_bytes  # noqa: F401  (re-exported: U19 §6's 2·L·t·h_kv·d_h·bytes)
 
@@ -68,26 +68,18 @@ def _check_capacity(cache: KVCache, n_new_B, t: int) -> None:
         )
 
 
-def _cached_layer(carry, xs, cfg: ModelConfig, positions_BT, slots_BT, mask_BTS):
-    """One block of M20 §7 on the new positions, its K̃/𝖵 written into the carried cache in place."""
+def _cached_layer(carry, layer, kinds, l, cfg: ModelConfig, ctx: Context):
+    """One layer of the stack on the new positions, its K̃/𝖵 written into the carried cache in place."""
     h_BTD, k_LBSGK, v_LBSGK = carry
-    layer, l = xs
-    x_BTD = rms_norm(h_BTD, layer["attn_norm"], cfg.norm_eps)
-    q_BTHK, k_BTGK, v_BTGK = attention_qkv(x_BTD, layer, cfg, positions_BT)
-    b_B1 = jnp.arange(h_BTD.shape[0])[:, None]
-    # Scatter into the whole carried buffer (layer l, row b, slot): XLA updates a while-loop carry in place.
-    # Padding goes to slot S (out of range) and is dropped, so it can never overwrite a valid slot.
-    k_LBSGK = k_LBSGK.at[l, b_B1, slots_BT].set(k_BTGK.astype(k_LBSGK.dtype), mode="drop")
-    v_LBSGK = v_LBSGK.at[l, b_B1, slots_BT].set(v_BTGK.astype(v_LBSGK.dtype), mode="drop")
-    o_BTHK = attention(q_BTHK, k_LBSGK[l].astype(q_BTHK.dtype), v_LBSGK[l].astype(q_BTHK.dtype), mask_BTS)
-    z_BTD = h_BTD + attention_output(o_BTHK, layer)
-    return (ffn_sublayer(z_BTD, layer, cfg), k_LBSGK, v_LBSGK), None
+    h_BTD, k_LBSGK, v_LBSGK = attention.cached_branch(h_BTD, layer, cfg, ctx, k_LBSGK, v_LBSGK, l)
+    if kinds[1] != "none":  # routing is per token, so an MoE FFN decodes exactly like a dense one
+        h_BTD, _ = FFNS[kinds[1]].branch(h_BTD, layer, cfg)
+    return h_BTD, k_LBSGK, v_LBSGK
 
 
-def unstack_layers(params: Params) -> list[dict]:
+def unstack_layers(params: Params, cfg: ModelConfig) -> list[dict]:
     """Each layer's weights as separate arrays, sliced once (outside a decode loop) for ``forward_cached``."""
-    n_layers = params["blocks"]["attn_norm"].shape[0]
-    return [jax.tree.map(lambda a: a[l], params["blocks"]) for l in range(n_layers)]
+    return [layer for layer, _ in layer_list(params, cfg)]
 
 
 def forward_cached(params: Params, tokens_BT, cache: KVCache, cfg: ModelConfig, *, n_new_B=None, layers=None):
@@ -99,7 +91,7 @@ def forward_cached(params: Params, tokens_BT, cache: KVCache, cfg: ModelConfig, 
     New token t of row b reads slot s iff s ≤ lengths[b] + t and s < lengths[b] + n_new_B[b].
 
     The blocks run under one ``lax.scan`` over the stacked weights (compile time independent of depth). For a
-    decode loop, pass ``layers=unstack_layers(params)`` computed once outside it: the blocks are then traced
+    decode loop, pass ``layers=unstack_layers(params, cfg)`` computed once outside it: the blocks are then traced
     one by one over separate arrays. XLA:CPU materialises every per-layer slice of a stacked weight before
     its matmul, so under the scan each decode step copies all the weights once more; at batch 1, where a
     step is bound by reading the weights, that copy roughly doubles the step time (experiments/bench_decode.py).
@@ -115,14 +107,21 @@ def forward_cached(params: Params, tokens_BT, cache: KVCache, cfg: ModelConfig, 
     mask_BTS = (s_S <= positions_BT[:, :, None]) & (s_S < new_lengths_B[:, None, None])
     slots_BT = jnp.where(t_T[None, :] < n_new_B[:, None], positions_BT, cache.max_len)
 
-    def step(carry, xs):
-        return _cached_layer(carry, xs, cfg, positions_BT, slots_BT, mask_BTS)
-
+    ctx = Context(positions_BT, mask_BTS, slots_BT=slots_BT)
     carry = (embed(params, tokens_BT), cache.k, cache.v)
-    if layers is None:
-        carry, _ = jax.lax.scan(step, carry, (params["blocks"], jnp.arange(cfg.n_layers, dtype=jnp.int32)))
-    else:
+    if layers is not None:
         for l, layer in enumerate(layers):
-            carry, _ = step(carry, (layer, l))
+            carry = _cached_layer(carry, layer, cfg.layer_kinds(l), l, cfg, ctx)
+    else:
+        def step(carry, xs):
+            group, g = xs
+            if cfg.uniform:
+                return _cached_layer(carry, group, cfg.group_kinds[0], g, cfg, ctx), None
+            for j, (layer, kinds) in enumerate(zip(group, cfg.group_kinds)):
+                carry = _cached_layer(carry, layer, kinds, g * cfg.period + j, cfg, ctx)
+            return carry, None
+
+        n_groups = jnp.arange(cfg.n_layers // cfg.period, dtype=jnp.int32)
+        carry, _ = jax.lax.scan(step, carry, (params["blocks"], n_groups))
     h_BTD, k, v = carry
     return logits_from_hidden(h_BTD, params, cfg), KVCache(k=k, v=v, lengths=new_lengths_B)

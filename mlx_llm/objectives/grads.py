@@ -21,7 +21,8 @@ import jax.numpy as jnp
 
 from mlx_llm.config import ModelConfig
 from mlx_llm.objectives.loss import check_loss_mask, masked_cross_entropy
-from mlx_llm.model import (attention_output, attention_qkv, check_tokens, embed, unembed_matrix)
+from mlx_llm.layers.attention import attention_output, attention_qkv
+from mlx_llm.model import check_tokens, embed, unembed_matrix
 from mlx_llm.ops import attention, causal_mask, rms_norm, rope, softmax, swiglu
 
 

@@ -132,22 +132,33 @@ def training_flops(N, D):
 
 
 def matmul_params(cfg: ModelConfig) -> int:
-    """Weights used in a matrix product per token: L(2d·h_q·d_h + 2d·h_kv·d_h + 3dm) + dV.
+    """Weights one token uses in a matrix product: Σ_ℓ (mixer_ℓ + FFN_ℓ) + dV, active weights only.
 
-    The embedding lookup is a gather (no multiply-adds) and is left out; the output projection Λ = RU is a
-    real d×V product whether or not U = Eᵀ, so it is counted once either way. Norm gains are elementwise.
+    Dense: L(2d·h_q·d_h + 2d·h_kv·d_h + 3dm) + dV. An MoE layer counts its router dX and the k routed plus S
+    shared experts a token runs, 3d·m_e each (M20 §15, U19 §3). The embedding lookup is a gather (no
+    multiply-adds) and is left out; the output projection Λ = RU is a real d×V product whether or not U = Eᵀ,
+    so it is counted once either way. Norm gains are elementwise.
     """
-    d, L = cfg.d_model, cfg.n_layers
-    per_layer = 2 * d * cfg.n_heads * cfg.d_head + 2 * d * cfg.n_kv_heads * cfg.d_head + 3 * d * cfg.d_ff
-    return L * per_layer + d * cfg.vocab_size
+    d = cfg.d_model
+    total = d * cfg.vocab_size
+    for mixer, ffn in (cfg.layer_kinds(l) for l in range(cfg.n_layers)):
+        total += cfg.mixer_param_count(mixer) - d  # without the norm gain
+        total += max(cfg.ffn_param_count(ffn, active=True) - d, 0)
+    return total
+
+
+def attention_layers(cfg: ModelConfig) -> int:
+    """How many layers of the stack are attention mixers."""
+    return sum(cfg.layer_kinds(l)[0] == "attn" for l in range(cfg.n_layers))
 
 
 def train_flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = False) -> float:
     """Training FLOPs per token (forward + backward = 3 × forward) for windows of ``seq_len`` tokens.
 
-    6·N_mm + 12·L·T·h_q·d_h, with N_mm = ``matmul_params(cfg)``: a weight costs 2 FLOPs per token forward
-    and 4 backward (U19 §8), and per layer the scores QKᵀ and the mix AV each cost 2·T·h_q·d_h FLOPs per
-    query forward, so 4·T·h_q·d_h forward, 12·T·h_q·d_h for training (the form of PaLM's 6N + 12LHQT).
+    6·N_mm + 12·L_attn·T·h_q·d_h, with N_mm = ``matmul_params(cfg)`` (active weights): a weight costs 2 FLOPs
+    per token forward and 4 backward (U19 §8), and per attention layer the scores QKᵀ and the mix AV each cost
+    2·T·h_q·d_h FLOPs per query forward, so 4·T·h_q·d_h forward, 12·T·h_q·d_h for training (the form of
+    PaLM's 6N + 12LHQT).
 
     ``causal=False`` counts the full T×T score matrix, which is what ``ops.attention`` computes (masked
     entries are computed, then discarded): use it for achieved FLOP/s. ``causal=True`` counts only the
@@ -155,7 +166,8 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = Fals
     """
     T = _count("seq_len", seq_len)
     keys_per_query = (T + 1) / 2 if causal else T
-    attention = 12 * cfg.n_layers * keys_per_query * cfg.n_heads * cfg.d_head
+    n_attn = attention_layers(cfg)
+    attention = 12 * n_attn * keys_per_query * cfg.n_heads * cfg.d_head if n_attn else 0
     return float(6 * matmul_params(cfg) + attention)
 
 

@@ -8,11 +8,17 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import optax
-from flax import traverse_util
 
 from mlx_llm.errors import ConfigError
 
 Schedule = Callable[[jax.Array], jax.Array]
+
+
+ROUTING_STATE_KEYS = ("router_offset",)
+
+
+def _key_name(entry) -> str:
+    return str(getattr(entry, "key", getattr(entry, "idx", entry)))
 
 
 def is_norm_gain(path: tuple[str, ...]) -> bool:
@@ -20,13 +26,48 @@ def is_norm_gain(path: tuple[str, ...]) -> bool:
     return path[-1].endswith("norm")
 
 
-def decay_mask(params) -> dict:
+def decay_mask(params):
     """True where AdamW applies weight decay: every matrix (embeddings included), never a norm gain.
 
-    Built from parameter paths, not ranks: stacked gains are (L, d) arrays yet must not decay.
+    Built from parameter paths, not ranks: stacked gains are (L, d) arrays yet must not decay. Works for
+    uniform blocks (a dict) and mixed stacks (a list of dicts).
     """
-    flat = traverse_util.flatten_dict(params)
-    return traverse_util.unflatten_dict({path: not is_norm_gain(path) for path in flat})
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: not is_norm_gain(tuple(_key_name(e) for e in path)), params)
+
+
+def strip_routing_state(tree):
+    """θ alone: the tree without its routing-state leaves (MoE balancing offsets, M20 §15)."""
+    if isinstance(tree, dict):
+        return {k: strip_routing_state(v) for k, v in tree.items() if k not in ROUTING_STATE_KEYS}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(strip_routing_state(v) for v in tree)
+    return tree
+
+
+def _restore_routing_state(theta, like, fill):
+    """``theta`` with the routing-state leaves of ``like`` put back as ``fill(leaf)``."""
+    if isinstance(like, dict):
+        return {k: fill(v) if k in ROUTING_STATE_KEYS else _restore_routing_state(theta[k], v, fill)
+                for k, v in like.items()}
+    if isinstance(like, (list, tuple)):
+        return type(like)(_restore_routing_state(t, v, fill) for t, v in zip(theta, like))
+    return theta
+
+
+def exclude_routing_state(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """Run ``inner`` on θ only: routing state gets no moments, no clipping share, no decay and a zero update
+    (M20 §15: offsets follow their own control rule, not AdamW). Without routing state, ``inner`` as is."""
+
+    def init(params):
+        return inner.init(strip_routing_state(params))
+
+    def update(updates, state, params=None):
+        theta_params = None if params is None else strip_routing_state(params)
+        theta_updates, state = inner.update(strip_routing_state(updates), state, theta_params)
+        return _restore_routing_state(theta_updates, updates, jnp.zeros_like), state
+
+    return optax.GradientTransformation(init, update)
 
 
 def make_optimizer(learning_rate: float | Schedule, *, b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8,
@@ -34,6 +75,7 @@ def make_optimizer(learning_rate: float | Schedule, *, b1: float = 0.9, b2: floa
     """M20 §12: g̃ = g·min(1, c/‖g‖₂) over all trainable scalars, then AdamW
     θ_s = (1 − η_s λ) θ_{s−1} − η_s m̂_s / (√v̂_s + ε), with λ on matrices only (``decay_mask``).
 
+    Routing state (MoE offsets) is not θ: the chain never sees it (``exclude_routing_state``).
     ``clip_norm=None`` disables clipping. ``learning_rate`` is a float or a schedule of the step count.
     """
     for name, value, ok in (("b1", b1, 0 <= b1 < 1), ("b2", b2, 0 <= b2 < 1), ("eps", eps, eps > 0),
@@ -45,8 +87,8 @@ def make_optimizer(learning_rate: float | Schedule, *, b1: float = 0.9, b2: floa
         raise ConfigError(f"make_optimizer: clip_norm = {clip_norm!r} is invalid: it must be > 0 or None")
     adamw = optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask)
     if clip_norm is None:
-        return adamw
-    return optax.chain(optax.clip_by_global_norm(clip_norm), adamw)
+        return exclude_routing_state(adamw)
+    return exclude_routing_state(optax.chain(optax.clip_by_global_norm(clip_norm), adamw))
 
 
 def warmup_cosine(peak: float, warmup_steps: int, total_steps: int, final_fraction: float = 0.1) -> Schedule:

@@ -22,6 +22,7 @@ from mlx_llm.scaling.accounting import train_flops_per_token
 from mlx_llm.train.checkpoint import (CONFIG_FILE, Checkpoints, abstract_like, read_run_files, write_run_files)
 from mlx_llm.config import ModelConfig, TrainConfig
 from mlx_llm.errors import CheckpointError, ConfigError, MLXLLMError
+from mlx_llm.layers.moe import load_imbalance, per_layer_loads
 from mlx_llm.model import check_tokens
 from mlx_llm.train.parallel import check_batch_divisible, make_mesh, replicated
 from mlx_llm.train.step import (EvalResult, device_batch, evaluate, init_state, jit_train_step, make_eval_step,
@@ -129,11 +130,22 @@ class Progress:
     last_step: int = 0
 
 
-def flush(progress: Progress, metrics_path: Path, run_dir: Path, last_ckpt) -> list[dict]:
+def expert_load_metrics(load, cfg: ModelConfig) -> dict:
+    """Per MoE layer: the fraction of assignments each expert received and max/mean load (1 = even)."""
+    layers = per_layer_loads(load, cfg)
+    if not layers:
+        return {}
+    fractions = [(counts / max(counts.sum(), 1.0)).round(5).tolist() for _, counts in layers]
+    imbalance = [round(float(load_imbalance(counts)), 5) for _, counts in layers]
+    return {"moe_layers": [l for l, _ in layers], "expert_load": fractions, "load_imbalance": imbalance}
+
+
+def flush(progress: Progress, metrics_path: Path, run_dir: Path, last_ckpt, cfg: ModelConfig) -> list[dict]:
     """Read back pending step metrics (one host sync), stop on the first non-finite one, write them."""
     rows = []
     for step, m in jax.device_get(progress.pending):
-        row = {"step": step + 1, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]), "lr": float(m["lr"])}
+        row = {"step": step + 1, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]), "lr": float(m["lr"]),
+               **expert_load_metrics(m["expert_load"], cfg)}
         if not (math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])):
             where = (f"step {last_ckpt} in {run_dir / 'checkpoints'}" if last_ckpt is not None
                      else "none was written yet")
@@ -180,14 +192,16 @@ def train_loop(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, corpus, *, re
         is_eval = done % tcfg.eval_interval == 0 or done == tcfg.steps
         is_ckpt = done % tcfg.checkpoint_interval == 0 or done == tcfg.steps
         if done % tcfg.log_interval == 0 or is_eval or is_ckpt:
-            rows = flush(progress, metrics_path, run_dir, last_ckpt)
+            rows = flush(progress, metrics_path, run_dir, last_ckpt, cfg)
             now = time.perf_counter()
             dt, n_steps = now - progress.last_time, done - progress.last_step
             train_seconds += dt
             tok_s = n_steps * tokens_per_step / dt
             last_row = rows[-1]
+            moe_postfix = ({"imbalance": f"{max(last_row['load_imbalance']):.2f}"} if "load_imbalance" in last_row
+                           else {})
             bar.set_postfix(loss=f"{last_row['loss']:.3f}", tok_s=f"{tok_s:,.0f}",
-                            flops=f"{tok_s * flops_per_token / 1e9:.1f}G")
+                            flops=f"{tok_s * flops_per_token / 1e9:.1f}G", **moe_postfix)
             bar.update(n_steps)
             if is_eval:
                 result = evaluate(eval_step, state.params, val_set, mesh)

@@ -22,7 +22,8 @@ import optax
 from mlx_llm.config import ModelConfig, TrainConfig
 from mlx_llm.objectives.loss import token_nll
 from mlx_llm.model import hidden_states, init_params, logits_from_hidden
-from mlx_llm.train.optim import make_optimizer, warmup_cosine
+from mlx_llm.layers.moe import apply_offset_rule, zero_load
+from mlx_llm.train.optim import make_optimizer, strip_routing_state, warmup_cosine
 from mlx_llm.train.parallel import batch_sharding, replicated
 
 BATCH_KEYS = ("tokens", "targets", "mask", "segment_ids", "positions")
@@ -63,42 +64,57 @@ def cast_params(params, dtype):
     return jax.tree.map(lambda p: p.astype(dtype), params)
 
 
-def summed_loss(params, batch, cfg: ModelConfig, compute_dtype) -> tuple[jax.Array, jax.Array]:
-    """(Σ_t b_t · −log p(x_t | x_<t), Σ_t b_t) of one (micro-)batch; logits and loss in float32."""
+def summed_loss_and_aux(params, batch, cfg: ModelConfig, compute_dtype):
+    """(Σ_t b_t · −log p(x_t | x_<t), (Σ_t b_t, aux)) of one (micro-)batch; logits and loss in float32.
+
+    aux holds the MoE expert loads (assignments per expert, stacked like the blocks) of this batch.
+    """
     p = cast_params(params, compute_dtype)
-    h_BTD = hidden_states(p, batch["tokens"], cfg, positions_BT=batch["positions"],
-                          segment_ids_BT=batch["segment_ids"])
+    h_BTD, aux = hidden_states(p, batch["tokens"], cfg, positions_BT=batch["positions"],
+                               segment_ids_BT=batch["segment_ids"], return_aux=True)
     nll_BT = token_nll(logits_from_hidden(h_BTD, p, cfg), batch["targets"])
     b_BT = batch["mask"].astype(nll_BT.dtype)
-    return jnp.sum(b_BT * nll_BT), jnp.sum(b_BT)
+    return jnp.sum(b_BT * nll_BT), (jnp.sum(b_BT), aux)
+
+
+def summed_loss(params, batch, cfg: ModelConfig, compute_dtype) -> tuple[jax.Array, jax.Array]:
+    """(Σ_t b_t · −log p(x_t | x_<t), Σ_t b_t) of one (micro-)batch."""
+    loss_sum, (n, _) = summed_loss_and_aux(params, batch, cfg, compute_dtype)
+    return loss_sum, n
 
 
 def make_train_step(cfg: ModelConfig, tcfg: TrainConfig, optimizer: optax.GradientTransformation) -> Callable:
-    """(state, batch) → (state, metrics); not jitted here (see ``jit_train_step``)."""
+    """(state, batch) → (state, metrics); not jitted here (see ``jit_train_step``).
+
+    After the optimizer step the MoE balancing offsets follow M20 §15's control rule, with the expert loads
+    counted over the whole global batch of the step (every device, every micro-batch).
+    """
     dtype = jnp.dtype(tcfg.compute_dtype)
-    grad_fn = jax.value_and_grad(lambda p, mb: summed_loss(p, mb, cfg, dtype), has_aux=True)
+    grad_fn = jax.value_and_grad(lambda p, mb: summed_loss_and_aux(p, mb, cfg, dtype), has_aux=True)
     schedule = schedule_for(tcfg)
 
     def accumulate(params, batch):
         if tcfg.grad_accum == 1:
-            (loss_sum, n), grads = grad_fn(params, batch)
-            return loss_sum, n, grads
+            (loss_sum, (n, load)), grads = grad_fn(params, batch)
+            return loss_sum, n, load, grads
         micro = jax.tree.map(lambda a: a.reshape(tcfg.grad_accum, -1, *a.shape[1:]), batch)
 
         def body(carry, mb):
-            (loss_sum, n), grads = grad_fn(params, mb)
-            return jax.tree.map(jnp.add, carry, (loss_sum, n, grads)), None
+            (loss_sum, (n, load)), grads = grad_fn(params, mb)
+            return jax.tree.map(jnp.add, carry, (loss_sum, n, load, grads)), None
 
-        zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
+        zeros = (jnp.zeros(()), jnp.zeros(()), zero_load(params["blocks"]), jax.tree.map(jnp.zeros_like, params))
         return jax.lax.scan(body, zeros, micro)[0]
 
     def train_step(state: TrainState, batch):
-        loss_sum, n, grads = accumulate(state.params, batch)
+        loss_sum, n, load, grads = accumulate(state.params, batch)
         grads = jax.tree.map(lambda g: g / n, grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss_sum / n, "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step),
-                   "targets": n}
+        if "moe" in cfg.ffn_pattern:
+            params = {**params, "blocks": apply_offset_rule(params["blocks"], load, cfg.offset_rate)}
+        metrics = {"loss": loss_sum / n, "grad_norm": optax.tree.norm(strip_routing_state(grads)),
+                   "lr": schedule(state.step), "targets": n, "expert_load": load}
         new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, data_step=state.data_step + 1)
         return new, metrics
 

@@ -1,0 +1,65 @@
+"""The attention mixer (M20 §5–§6): GQA with RoPE, full-sequence (training, prefill) and cached (decode).
+
+Keys (DESIGN §1): ``attn_norm (d)``, ``wq (d, Hq, Dh)``, ``wk, wv (d, Hkv, Dh)``, ``wo (Hq, Dh, d)``.
+The branch is Z = H + A(N_γa(H)); the residual carries H, not N(H) (M20 §7).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from mlx_llm.ops import attention, causal_attention, dense, rms_norm, rope
+
+
+def init(cfg, normal, L: int, dtype) -> dict:
+    """Attention keys for L stacked layers: projections N(0, 1/fan_in); W^O also × 1/√(2·n_layers) because
+    it writes into the residual stream (see ``model``'s docstring)."""
+    d, H, G, K = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_head
+    resid = 1.0 / math.sqrt(2 * cfg.n_layers)
+    return {
+        "attn_norm": jnp.ones((L, d), dtype),
+        "wq": normal((L, d, H, K), 1 / math.sqrt(d)),
+        "wk": normal((L, d, G, K), 1 / math.sqrt(d)),
+        "wv": normal((L, d, G, K), 1 / math.sqrt(d)),
+        "wo": normal((L, H, K, d), resid / math.sqrt(H * K)),
+    }
+
+
+def attention_qkv(x_BTD, layer, cfg, positions_BT):
+    """M20 §5: Q_j = X W^Q_j, K_g = X W^K_g, V_g = X W^V_g; RoPE on Q and K only."""
+    q_BTHK = dense(x_BTD, layer["wq"])
+    k_BTGK = dense(x_BTD, layer["wk"])
+    v_BTGK = dense(x_BTD, layer["wv"])
+    q_BTHK = rope(q_BTHK, positions_BT, cfg.rope_base, cfg.rope_scale)
+    k_BTGK = rope(k_BTGK, positions_BT, cfg.rope_base, cfg.rope_scale)
+    return q_BTHK, k_BTGK, v_BTGK
+
+
+def attention_output(o_BTHK, layer) -> jax.Array:
+    """M20 §6: A(X) = Concat(O_0, …, O_{h_q−1}) W^O."""
+    b, t, h, k = o_BTHK.shape
+    return dense(o_BTHK.reshape(b, t, h * k), layer["wo"].reshape(h * k, -1))
+
+
+def branch(h_BTD, layer, cfg, ctx) -> jax.Array:
+    """M20 §7 first line: Z = H + A(N_γa(H)), over the whole sequence (``ctx.mask_BTS`` causal, per document)."""
+    x_BTD = rms_norm(h_BTD, layer["attn_norm"], cfg.norm_eps)
+    q, k, v = attention_qkv(x_BTD, layer, cfg, ctx.positions_BT)
+    return h_BTD + attention_output(causal_attention(q, k, v, ctx.mask_BTS), layer)
+
+
+def cached_branch(h_BTD, layer, cfg, ctx, k_LBSGK, v_LBSGK, l):
+    """The same branch on new positions only (M20 §14): their K̃/𝖵 go into slots ``ctx.slots_BT`` of layer l
+    of the carried cache, and each new query reads the slots ``ctx.mask_BTS`` allows. Returns (Z, k, v)."""
+    x_BTD = rms_norm(h_BTD, layer["attn_norm"], cfg.norm_eps)
+    q_BTHK, k_BTGK, v_BTGK = attention_qkv(x_BTD, layer, cfg, ctx.positions_BT)
+    b_B1 = jnp.arange(h_BTD.shape[0])[:, None]
+    # Scatter into the whole carried buffer (layer l, row b, slot): XLA updates a loop carry in place.
+    # Padding goes to slot S (out of range) and is dropped, so it can never overwrite a valid slot.
+    k_LBSGK = k_LBSGK.at[l, b_B1, ctx.slots_BT].set(k_BTGK.astype(k_LBSGK.dtype), mode="drop")
+    v_LBSGK = v_LBSGK.at[l, b_B1, ctx.slots_BT].set(v_BTGK.astype(v_LBSGK.dtype), mode="drop")
+    o_BTHK = attention(q_BTHK, k_LBSGK[l].astype(q_BTHK.dtype), v_LBSGK[l].astype(q_BTHK.dtype), ctx.mask_BTS)
+    return h_BTD + attention_output(o_BTHK, layer), k_LBSGK, v_LBSGK

@@ -1,0 +1,195 @@
+"""The mixture-of-experts FFN (M20 §15, U19 §3): router, balancing offsets, dropless sorted dispatch.
+
+Keys (DESIGN §1; X routed experts, S shared, m = ``moe_d_ff``): ``ffn_norm (d)``, ``router (d, X)``,
+``router_offset (X)`` (routing state, not θ), ``expert_gate, expert_up (X, d, m)``, ``expert_down (X, m, d)``,
+``shared_gate, shared_up (S, d, m)``, ``shared_down (S, m, d)`` (absent when S = 0).
+
+F_MoE(y) = Σ_{e∈S(y)} w_e(y) F_e(y) + Σ_{e∈shared} F_e(y), every F_e a SwiGLU (M20 §7). No capacity limit
+and no token dropping (M20 §15 excludes them): each token reaches its k experts whatever the batch.
+
+Dispatch (``expert_ffn``) is sort-based and dropless, in the style of MegaBlocks (Gale et al. 2023): the N·k
+(token, expert) assignments are sorted by expert, each expert's run of rows is padded to a multiple of a block
+of ``BLOCK`` rows, and every block is multiplied by its own expert's matrices (a grouped matrix product over at
+most N·k/BLOCK + X blocks). Only the selected experts' FLOPs are spent, plus the padding (< BLOCK rows per
+expert). ``jax.lax.ragged_dot`` expresses the same grouped product, but XLA:CPU lowers it to a masked product
+with all X experts on every row (X/k times the FLOPs; measured in experiments/bench_moe.py), so it is not used.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mlx_llm.errors import ConfigError, InputError
+from mlx_llm.ops import dense, rms_norm, swiglu
+
+BLOCK = 64  # rows per block of the grouped product: padding waste < X·BLOCK rows, each block one 2-D product
+
+
+def init(cfg, normal, L: int, dtype) -> dict:
+    """MoE keys for L stacked layers. Router N(0, 1/d); experts like the dense SwiGLU (N(0, 1/fan_in), the
+    down projections × 1/√(2·n_layers)); offsets start at 0."""
+    d, X, S, m = cfg.d_model, cfg.n_experts, cfg.n_shared_experts, cfg.moe_d_ff
+    resid = 1.0 / math.sqrt(2 * cfg.n_layers)
+    keys = {
+        "ffn_norm": jnp.ones((L, d), dtype),
+        "router": normal((L, d, X), 1 / math.sqrt(d)),
+        "router_offset": jnp.zeros((L, X), dtype),
+        "expert_gate": normal((L, X, d, m), 1 / math.sqrt(d)),
+        "expert_up": normal((L, X, d, m), 1 / math.sqrt(d)),
+        "expert_down": normal((L, X, m, d), resid / math.sqrt(m)),
+    }
+    shared = {"shared_gate": normal((L, S, d, m), 1 / math.sqrt(d)),
+              "shared_up": normal((L, S, d, m), 1 / math.sqrt(d)),
+              "shared_down": normal((L, S, m, d), resid / math.sqrt(m))}
+    return {**keys, **shared} if S else keys
+
+
+# ----- the router (M20 §15, U19 §3) ------------------------------------------------------------------
+def route(router_logits, offsets, top_k: int, *, router: str = "sigmoid", eps: float = 1e-9):
+    """(expert_ids (..., k), weights (..., k)) of each row of ``router_logits`` (..., X).
+
+    sigmoid (M20 §15): a = σ(r); S(y) = TopK(a + b); w_e = a_e / (ε_r + Σ_{j∈S} a_j), from the original scores.
+    softmax (U19 §3): S(y) = TopK(r + b); w = softmax of the selected logits r_e (ε unused).
+    The offsets b only choose the set (through ``stop_gradient``: they are routing state, not θ); ids are in
+    order of decreasing selection score. Computed in at least float32.
+    """
+    if router not in ("sigmoid", "softmax"):
+        raise ConfigError(f"route: router = {router!r} is invalid: valid routers are ['sigmoid', 'softmax']")
+    x = router_logits.shape[-1]
+    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or not 1 <= top_k <= x:
+        raise ConfigError(f"route: top_k = {top_k!r} is invalid: it must be an integer in [1, n_experts = {x}]")
+    if jnp.shape(offsets) != (x,):
+        raise InputError(f"route: offsets have shape {jnp.shape(offsets)}; expected ({x},), one per expert")
+    r = router_logits.astype(jnp.promote_types(router_logits.dtype, jnp.float32))
+    b = jax.lax.stop_gradient(jnp.asarray(offsets, r.dtype))
+    scores = jax.nn.sigmoid(r) if router == "sigmoid" else r
+    _, ids = jax.lax.top_k(jax.lax.stop_gradient(scores) + b, top_k)
+    chosen = jnp.take_along_axis(scores, ids, axis=-1)
+    if router == "sigmoid":
+        weights = chosen / (eps + jnp.sum(chosen, axis=-1, keepdims=True))
+    else:
+        weights = jax.nn.softmax(chosen, axis=-1)
+    return ids, weights
+
+
+def expert_load(expert_ids, n_experts: int) -> jax.Array:
+    """Assignments per expert, (X,) float32: how many (token, slot) pairs chose each expert."""
+    return jnp.zeros((n_experts,), jnp.float32).at[expert_ids.reshape(-1)].add(1.0)
+
+
+def update_offsets(offsets, load, rate: float):
+    """M20 §15's control rule, outside AdamW: b_e ← b_e + u·sign(mean load − load_e).
+
+    ``load`` counts assignments over the whole global batch of one optimizer step; an overloaded expert's
+    offset falls, an idle one's rises. Works on (X,) or stacked (L, X) offsets (mean over the last axis).
+    """
+    load = jnp.asarray(load, jnp.float32)
+    if jnp.shape(load) != jnp.shape(offsets):
+        raise InputError(f"update_offsets: load has shape {jnp.shape(load)} but offsets have {jnp.shape(offsets)}")
+    step = rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+    return (offsets + step.astype(offsets.dtype)).astype(offsets.dtype)
+
+
+def apply_offset_rule(blocks, load, rate: float):
+    """``update_offsets`` on every MoE layer of ``params["blocks"]`` (a dict, or a list for mixed stacks),
+    with ``load`` the auxiliary output of the forward, stacked the same way."""
+    if isinstance(blocks, list):
+        return [apply_offset_rule(b, l, rate) for b, l in zip(blocks, load)]
+    if "router_offset" not in load:
+        return blocks
+    return {**blocks, "router_offset": update_offsets(blocks["router_offset"], load["router_offset"], rate)}
+
+
+def zero_load(blocks):
+    """An all-zero expert load stacked like the offsets of ``blocks`` (the accumulator of a train step)."""
+    if isinstance(blocks, list):
+        return [zero_load(b) for b in blocks]
+    if "router_offset" not in blocks:
+        return {}
+    return {"router_offset": jnp.zeros(blocks["router_offset"].shape, jnp.float32)}
+
+
+def per_layer_loads(load, cfg) -> list[tuple[int, np.ndarray]]:
+    """[(layer index, assignments per expert (X,))] for every MoE layer, in stack order (host side)."""
+    groups = load if isinstance(load, list) else [load]
+    out = []
+    for l in range(cfg.n_layers):
+        group = groups[l % cfg.period]
+        if "router_offset" in group:
+            out.append((l, np.asarray(group["router_offset"])[l // cfg.period]))
+    return out
+
+
+def load_imbalance(load) -> jax.Array:
+    """max load / mean load per layer (1 = perfectly even; X/k = every token to the same k experts)."""
+    load = jnp.asarray(load, jnp.float32)
+    return jnp.max(load, axis=-1) / jnp.maximum(jnp.mean(load, axis=-1), 1e-30)
+
+
+# ----- dropless dispatch -----------------------------------------------------------------------------
+def _block_layout(ids_NK, n_experts: int, block: int):
+    """Where each assignment goes in the padded, expert-sorted row space, and each block's expert.
+
+    Returns (order (N·k,): assignment index of each sorted row, dest (N·k,): padded row of sorted row i,
+    block_expert (nb,), n_blocks). nb = ⌈N·k/block⌉ + X is a static bound on Σ_e ⌈load_e/block⌉.
+    """
+    flat = ids_NK.reshape(-1)
+    rows = flat.shape[0]
+    n_blocks = -(-rows // block) + n_experts
+    order = jnp.argsort(flat, stable=True)
+    counts = jnp.zeros((n_experts,), jnp.int32).at[flat].add(1)
+    padded = (counts + block - 1) // block * block
+    end_pad = jnp.cumsum(padded)
+    e_sorted = flat[order]
+    rank = jnp.arange(rows, dtype=jnp.int32) - (jnp.cumsum(counts) - counts)[e_sorted]
+    dest = (end_pad - padded)[e_sorted] + rank
+    block_expert = jnp.searchsorted(end_pad, jnp.arange(n_blocks, dtype=jnp.int32) * block, side="right")
+    return order, dest, jnp.minimum(block_expert, n_experts - 1), n_blocks
+
+
+def grouped_matmul(x_nbD, w_XDF, block_expert):
+    """Block i of rows (b, D) times its expert's matrix w[block_expert[i]] (D, F) → (nb, b, F)."""
+    return jnp.einsum("nbd,ndf->nbf", x_nbD, w_XDF[block_expert])
+
+
+def expert_ffn(y_ND, ids_NK, weights_NK, w_gate_XDF, w_up_XDF, w_down_XFD, *, block: int = BLOCK):
+    """Σ_{e∈S(y)} w_e F_e(y) for every row of y (N, D), computing only the selected experts (dropless)."""
+    n, d = y_ND.shape
+    k = ids_NK.shape[-1]
+    x = w_gate_XDF.shape[0]
+    order, dest, block_expert, n_blocks = _block_layout(ids_NK, x, block)
+    token = order // k
+    rows = jnp.zeros((n_blocks * block, d), y_ND.dtype).at[dest].set(y_ND[token], unique_indices=True)
+    rows = rows.reshape(n_blocks, block, d)
+    c = (jax.nn.silu(grouped_matmul(rows, w_gate_XDF, block_expert))
+         * grouped_matmul(rows, w_up_XDF, block_expert))
+    out_sorted = grouped_matmul(c, w_down_XFD, block_expert).reshape(n_blocks * block, d)[dest]
+    w_sorted = weights_NK.reshape(-1)[order].astype(out_sorted.dtype)
+    out_NKD = jnp.zeros((n * k, d), out_sorted.dtype).at[order].set(out_sorted * w_sorted[:, None],
+                                                                     unique_indices=True)
+    return out_NKD.reshape(n, k, d).sum(axis=1)
+
+
+def dense_reference(y_ND, ids_NK, weights_NK, w_gate_XDF, w_up_XDF, w_down_XFD):
+    """Every expert on every row, then the selected ones mixed: the slow, obviously-correct reference the
+    tests compare ``expert_ffn`` with. Never used for training."""
+    all_XND = jax.vmap(lambda g, u, dn: swiglu(y_ND, g, u, dn))(w_gate_XDF, w_up_XDF, w_down_XFD)
+    picked_NKD = all_XND[ids_NK, jnp.arange(y_ND.shape[0])[:, None]]
+    return jnp.sum(weights_NK[..., None].astype(picked_NKD.dtype) * picked_NKD, axis=1)
+
+
+def branch(z_BTD, layer, cfg):
+    """H = Z + F_MoE(N_γf(Z)) (M20 §15 substituted into §7). Returns (H, {"router_offset": load (X,)}): the
+    load sits under the offsets' key so the train step can apply the control rule leaf by leaf."""
+    b, t, d = z_BTD.shape
+    y_ND = rms_norm(z_BTD, layer["ffn_norm"], cfg.norm_eps).reshape(b * t, d)
+    logits_NX = dense(y_ND, layer["router"], preferred_element_type=jnp.float32)
+    ids_NK, w_NK = route(logits_NX, layer["router_offset"], cfg.moe_top_k, router=cfg.router, eps=cfg.router_eps)
+    out_ND = expert_ffn(y_ND, ids_NK, w_NK, layer["expert_gate"], layer["expert_up"], layer["expert_down"])
+    for s in range(cfg.n_shared_experts):  # always run, summed without normalisation (M20 §15)
+        out_ND = out_ND + swiglu(y_ND, layer["shared_gate"][s], layer["shared_up"][s], layer["shared_down"][s])
+    return z_BTD + out_ND.reshape(b, t, d), {"router_offset": expert_load(ids_NK, cfg.n_experts)}
