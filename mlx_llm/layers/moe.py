@@ -9,7 +9,7 @@ and no token dropping (M20 §15 excludes them): each token reaches its k experts
 
 Dispatch (``expert_ffn``) is sort-based and dropless, in the style of MegaBlocks (Gale et al. 2023): the N·k
 (token, expert) assignments are sorted by expert, each expert's run of rows is padded to a multiple of a block
-of ``BLOCK`` rows, and every block is multiplied by its own expert's matrices (a grouped matrix product over at
+of ``block_size`` rows, and every block is multiplied by its own expert's matrices (a grouped matrix product over at
 most N·k/BLOCK + X blocks). Only the selected experts' FLOPs are spent, plus the padding (< BLOCK rows per
 expert). ``jax.lax.ragged_dot`` expresses the same grouped product, but XLA:CPU lowers it to a masked product
 with all X experts on every row (X/k times the FLOPs; measured in experiments/bench_moe.py), so it is not used.
@@ -26,7 +26,15 @@ import numpy as np
 from mlx_llm.errors import ConfigError, InputError
 from mlx_llm.ops import dense, rms_norm, swiglu
 
-BLOCK = 64  # rows per block of the grouped product: padding waste < X·BLOCK rows, each block one 2-D product
+BLOCK = 256  # the largest block: bigger blocks run faster on XLA:CPU, smaller ones pad less (bench_moe.py)
+
+
+def block_size(rows: int, n_experts: int) -> int:
+    """Rows per block for ``rows`` assignments: the largest power of two ≤ rows/(2X), at most ``BLOCK``, so
+    the expected padding (X·block/2 rows) stays ≤ a quarter of the work. 1 for decoding-sized batches, where
+    there is no padding at all (each row is its own block)."""
+    target = max(rows // (2 * n_experts), 1)
+    return min(BLOCK, 1 << (target.bit_length() - 1))
 
 
 def init(cfg, normal, L: int, dtype) -> dict:
@@ -135,11 +143,12 @@ def _block_layout(ids_NK, n_experts: int, block: int):
     """Where each assignment goes in the padded, expert-sorted row space, and each block's expert.
 
     Returns (order (N·k,): assignment index of each sorted row, dest (N·k,): padded row of sorted row i,
-    block_expert (nb,), n_blocks). nb = ⌈N·k/block⌉ + X is a static bound on Σ_e ⌈load_e/block⌉.
+    block_expert (nb,), n_blocks). nb = ⌈N·k/block⌉ + X is a static bound on Σ_e ⌈load_e/block⌉ (with
+    block = 1 the bound is exactly N·k: nothing is padded).
     """
     flat = ids_NK.reshape(-1)
     rows = flat.shape[0]
-    n_blocks = -(-rows // block) + n_experts
+    n_blocks = -(-rows // block) + (n_experts if block > 1 else 0)
     order = jnp.argsort(flat, stable=True)
     counts = jnp.zeros((n_experts,), jnp.int32).at[flat].add(1)
     padded = (counts + block - 1) // block * block
@@ -156,11 +165,15 @@ def grouped_matmul(x_nbD, w_XDF, block_expert):
     return jnp.einsum("nbd,ndf->nbf", x_nbD, w_XDF[block_expert])
 
 
-def expert_ffn(y_ND, ids_NK, weights_NK, w_gate_XDF, w_up_XDF, w_down_XFD, *, block: int = BLOCK):
-    """Σ_{e∈S(y)} w_e F_e(y) for every row of y (N, D), computing only the selected experts (dropless)."""
+def expert_ffn(y_ND, ids_NK, weights_NK, w_gate_XDF, w_up_XDF, w_down_XFD, *, block: int | None = None):
+    """Σ_{e∈S(y)} w_e F_e(y) for every row of y (N, D), computing only the selected experts (dropless).
+
+    ``block`` (rows per block) defaults to ``block_size(N·k, X)``.
+    """
     n, d = y_ND.shape
     k = ids_NK.shape[-1]
     x = w_gate_XDF.shape[0]
+    block = block_size(n * k, x) if block is None else block
     order, dest, block_expert, n_blocks = _block_layout(ids_NK, x, block)
     token = order // k
     rows = jnp.zeros((n_blocks * block, d), y_ND.dtype).at[dest].set(y_ND[token], unique_indices=True)
@@ -187,7 +200,7 @@ def branch(z_BTD, layer, cfg):
     load sits under the offsets' key so the train step can apply the control rule leaf by leaf."""
     b, t, d = z_BTD.shape
     y_ND = rms_norm(z_BTD, layer["ffn_norm"], cfg.norm_eps).reshape(b * t, d)
-    logits_NX = dense(y_ND, layer["router"], preferred_element_type=jnp.float32)
+    logits_NX = dense(y_ND, layer["router"], preferred_element_type=jnp.promote_types(y_ND.dtype, jnp.float32))
     ids_NK, w_NK = route(logits_NX, layer["router_offset"], cfg.moe_top_k, router=cfg.router, eps=cfg.router_eps)
     out_ND = expert_ffn(y_ND, ids_NK, w_NK, layer["expert_gate"], layer["expert_up"], layer["expert_down"])
     for s in range(cfg.n_shared_experts):  # always run, summed without normalisation (M20 §15)
