@@ -1,7 +1,8 @@
-"""Compile time of the training-loss gradient at n_layers = 2 and 16 (blocks under one lax.scan).
+"""Compile time of the training-loss gradient at n_layers = 2 and 16 (blocks under one lax.scan), for the
+dense stack and for a mixed stack of period 2 (MoE and SwiGLU FFNs alternating, one scan over L/2 groups).
 
-Because the stacked blocks run inside a single scan, XLA compiles one block body whatever the depth: the
-ratio of the two compile times should be near 1 (an unrolled Python loop would grow about 8x).
+Because the stacked blocks run inside a single scan, XLA compiles one block body (or one group of P layers)
+whatever the depth: the ratio of the two compile times should be near 1 (an unrolled loop would grow ~8x).
 
     python experiments/bench_compile.py [--d-model 256] [--seq-len 128]
 """
@@ -38,12 +39,14 @@ def main() -> None:
     args = ap.parse_args()
     base = ModelConfig(vocab_size=4096, d_model=args.d_model, n_layers=2, n_heads=8, n_kv_heads=2,
                        d_head=args.d_model // 8, d_ff=int(args.d_model * 8 / 3) // 8 * 8, max_seq_len=args.seq_len)
+    mixed = dataclasses.replace(base, ffn_pattern=("moe", "swiglu"), n_experts=8, moe_top_k=2,
+                                moe_d_ff=base.d_ff // 2)
     compile_seconds(dataclasses.replace(base, n_layers=1), args.batch, args.seq_len)  # warm up JAX itself
-    times = {L: compile_seconds(dataclasses.replace(base, n_layers=L), args.batch, args.seq_len) for L in (2, 16)}
     print(f"jit compile of value_and_grad(loss), d={args.d_model}, T={args.seq_len}")
-    print(f"  n_layers =  2: {times[2]:.3f} s")
-    print(f"  n_layers = 16: {times[16]:.3f} s")
-    print(f"  ratio 16/2   : {times[16] / times[2]:.2f}  (scan over stacked layers: expected near 1)")
+    for name, cfg in (("dense", base), ("mixed moe/swiglu (period 2)", mixed)):
+        times = {L: compile_seconds(dataclasses.replace(cfg, n_layers=L), args.batch, args.seq_len) for L in (2, 16)}
+        print(f"  {name}: n_layers = 2: {times[2]:.3f} s, n_layers = 16: {times[16]:.3f} s, "
+              f"ratio 16/2 {times[16] / times[2]:.2f}  (expected near 1)")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,125 @@
+"""Dense against mixture of experts at equal active parameters, trained for the same wall time on the default
+corpus (M20 §15, U19 §3), and the balancing offsets' effect on expert load.
+
+Three runs, each a normal `mlx-llm train` run directory under --out:
+- dense: experiments/configs/dense.json (the main job's model, 869,504 parameters);
+- moe:   experiments/configs/moe.json (8 experts of width 176, top 2, sigmoid router, offset rate u = 1e-3:
+         873,600 active, 2,495,616 stored parameters);
+- moe-u0: the same MoE with u = 0 (offsets frozen at 0), for the same number of steps as moe.
+Each model's step time is measured first (after compiling), and its step count set so that its training loop
+lasts --seconds. Prints val bits/byte, tokens/s and load imbalance (max/mean expert load, 1 = even) side by
+side, writes results.json and load_imbalance.png (imbalance per step, u > 0 against u = 0) into --out.
+
+    python experiments/moe_vs_dense.py --out runs/moe_vs_dense [--seconds 120]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from mlx_llm import ModelConfig
+from mlx_llm.cli import MAIN_JOB_TRAIN, MAIN_JOB_VOCAB
+from mlx_llm.train.parallel import make_mesh
+from mlx_llm.train.run import DataSpec, METRICS_FILE, train_run
+from mlx_llm.train.step import device_batch, init_state, jit_train_step, optimizer_for
+
+CONFIGS = Path(__file__).parent / "configs"
+
+
+def seconds_per_step(cfg: ModelConfig, tcfg, rounds: int = 6) -> float:
+    """Median wall time of one jitted train step on random tokens (compiled first)."""
+    mesh = make_mesh()
+    step = jit_train_step(cfg, tcfg, mesh)
+    state = init_state(cfg, tcfg, optimizer_for(tcfg))
+    rng = np.random.default_rng(0)
+    b, t = tcfg.batch_size, tcfg.seq_len
+    toks = rng.integers(0, cfg.vocab_size, (b, t + 1)).astype(np.int32)
+    batch = device_batch({"tokens": toks[:, :-1], "targets": toks[:, 1:], "mask": np.ones((b, t), np.float32),
+                          "segment_ids": np.zeros((b, t), np.int32),
+                          "positions": np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))}, mesh)
+    state, m = step(state, batch)
+    jax.block_until_ready(m)
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        state, m = step(state, batch)
+        jax.block_until_ready(m)
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def imbalance_curve(run_dir: Path) -> list[tuple[int, float]]:
+    rows = [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines() if line]
+    return [(r["step"], float(np.mean(r["load_imbalance"]))) for r in rows if "load_imbalance" in r]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--seconds", type=float, default=120.0, help="training-loop wall time per model")
+    ap.add_argument("--data", help="corpus (default: the Python standard library)")
+    ap.add_argument("--cache-dir", type=Path)
+    args = ap.parse_args()
+    dense = ModelConfig.from_json(CONFIGS / "dense.json")
+    moe = ModelConfig.from_json(CONFIGS / "moe.json")
+    base = dataclasses.replace(MAIN_JOB_TRAIN, log_interval=5)
+    spec = DataSpec(path=args.data, vocab_size=MAIN_JOB_VOCAB)
+    steps = {}
+    for name, cfg in (("dense", dense), ("moe", moe)):
+        sps = seconds_per_step(cfg, base)
+        steps[name] = max(base.warmup_steps + 1, int(args.seconds / sps))
+        print(f"{name}: {sps * 1e3:.1f} ms/step → {steps[name]} steps in {args.seconds:.0f} s")
+    runs = {"dense": (dense, steps["dense"]), "moe": (moe, steps["moe"]),
+            "moe-u0": (dataclasses.replace(moe, offset_rate=0.0), steps["moe"])}
+    results = {}
+    for name, (cfg, n) in runs.items():
+        tcfg = dataclasses.replace(base, steps=n, eval_interval=n, checkpoint_interval=n)
+        summary = train_run(args.out / name, cfg, tcfg, spec, cache_dir=args.cache_dir, show_progress=False,
+                            log=lambda *a: None)
+        curve = imbalance_curve(args.out / name)
+        results[name] = {"steps": n, "params": cfg.param_count(), "active_params": cfg.active_param_count(),
+                         "val_bpb": summary["val_bpb"], "tokens_per_second": summary["tokens_per_second"],
+                         "train_seconds": summary["train_seconds"],
+                         "final_imbalance": curve[-1][1] if curve else None,
+                         "mean_imbalance_last_half": (float(np.mean([v for s, v in curve if s > n / 2]))
+                                                      if curve else None),
+                         "imbalance_curve": curve}
+    (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    print(f"{'run':8s} {'steps':>6s} {'active':>9s} {'stored':>9s} {'val bpb':>8s} {'tok/s':>8s} {'train s':>8s} "
+          f"{'imbalance (last half)':>22s}")
+    for name, r in results.items():
+        imb = "—" if r["mean_imbalance_last_half"] is None else f"{r['mean_imbalance_last_half']:.3f}"
+        print(f"{name:8s} {r['steps']:6d} {r['active_params']:9,d} {r['params']:9,d} {r['val_bpb']:8.4f} "
+              f"{r['tokens_per_second']:8,.0f} {r['train_seconds']:8.1f} {imb:>22s}")
+    plot(results, args.out / "load_imbalance.png")
+
+
+def plot(results: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, label in (("moe", "offset rate u = 1e-3"), ("moe-u0", "u = 0 (no balancing)")):
+        if results[name]["imbalance_curve"]:
+            ax.plot(*zip(*results[name]["imbalance_curve"]), label=label, lw=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("max / mean expert load (mean over layers)")
+    ax.axhline(1.0, color="grey", lw=0.5)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
