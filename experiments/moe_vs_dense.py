@@ -1,16 +1,18 @@
 """Dense against mixture of experts at equal active parameters, trained for the same wall time on the default
 corpus (M20 §15, U19 §3), and the balancing offsets' effect on expert load.
 
-Three runs, each a normal `mlx-llm train` run directory under --out:
+Four runs, each a normal `mlx-llm train` run directory under --out, with the main job's training settings:
 - dense: experiments/configs/dense.json (the main job's model, 869,504 parameters);
-- moe:   experiments/configs/moe.json (8 experts of width 176, top 2, sigmoid router, offset rate u = 1e-3:
+- moe:   experiments/configs/moe.json (8 experts of width 176, top 2, sigmoid router, offset rate u = 0.01:
          873,600 active, 2,495,616 stored parameters);
-- moe-u0: the same MoE with u = 0 (offsets frozen at 0), for the same number of steps as moe.
-Each model's step time is measured first (after compiling), and its step count set so that its training loop
-lasts --seconds. Prints val bits/byte, tokens/s and load imbalance (max/mean expert load, 1 = even) side by
-side, writes results.json and load_imbalance.png (imbalance per step, u > 0 against u = 0) into --out.
+  each model's step time is measured first (after compiling) and its step count set so that its training loop
+  lasts --seconds: the same wall time for both;
+- balance-u, balance-u0: the MoE with its u and with u = 0 (offsets frozen at 0), --balance-steps steps each at
+  batch --balance-batch, identical otherwise: the load-balancing rule's effect.
+Prints val bits/byte, tokens/s and load imbalance (max/mean expert load, 1 = even) side by side, writes
+results.json and load_imbalance.png (imbalance per step, u > 0 against u = 0) into --out.
 
-    python experiments/moe_vs_dense.py --out runs/moe_vs_dense [--seconds 120]
+    python experiments/moe_vs_dense.py --out runs/moe_vs_dense [--seconds 120 --balance-steps 300]
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--seconds", type=float, default=120.0, help="training-loop wall time per model")
+    ap.add_argument("--balance-steps", type=int, default=300)
+    ap.add_argument("--balance-batch", type=int, default=8)
     ap.add_argument("--data", help="corpus (default: the Python standard library)")
     ap.add_argument("--cache-dir", type=Path)
     args = ap.parse_args()
@@ -76,15 +80,16 @@ def main() -> None:
         sps = seconds_per_step(cfg, base)
         steps[name] = max(base.warmup_steps + 1, int(args.seconds / sps))
         print(f"{name}: {sps * 1e3:.1f} ms/step → {steps[name]} steps in {args.seconds:.0f} s")
-    runs = {"dense": (dense, steps["dense"]), "moe": (moe, steps["moe"]),
-            "moe-u0": (dataclasses.replace(moe, offset_rate=0.0), steps["moe"])}
+    n_bal, b_bal = args.balance_steps, args.balance_batch
+    runs = {"dense": (dense, steps["dense"], base.batch_size), "moe": (moe, steps["moe"], base.batch_size),
+            "balance-u": (moe, n_bal, b_bal), "balance-u0": (dataclasses.replace(moe, offset_rate=0.0), n_bal, b_bal)}
     results = {}
-    for name, (cfg, n) in runs.items():
-        tcfg = dataclasses.replace(base, steps=n, eval_interval=n, checkpoint_interval=n)
+    for name, (cfg, n, batch) in runs.items():
+        tcfg = dataclasses.replace(base, steps=n, eval_interval=n, checkpoint_interval=n, batch_size=batch)
         summary = train_run(args.out / name, cfg, tcfg, spec, cache_dir=args.cache_dir, show_progress=False,
                             log=lambda *a: None)
         curve = imbalance_curve(args.out / name)
-        results[name] = {"steps": n, "params": cfg.param_count(), "active_params": cfg.active_param_count(),
+        results[name] = {"steps": n, "batch_size": batch, "offset_rate": cfg.offset_rate, "params": cfg.param_count(), "active_params": cfg.active_param_count(),
                          "val_bpb": summary["val_bpb"], "tokens_per_second": summary["tokens_per_second"],
                          "train_seconds": summary["train_seconds"],
                          "final_imbalance": curve[-1][1] if curve else None,
@@ -92,11 +97,11 @@ def main() -> None:
                                                       if curve else None),
                          "imbalance_curve": curve}
     (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    print(f"{'run':8s} {'steps':>6s} {'active':>9s} {'stored':>9s} {'val bpb':>8s} {'tok/s':>8s} {'train s':>8s} "
+    print(f"{'run':10s} {'steps':>6s} {'active':>9s} {'stored':>9s} {'val bpb':>8s} {'tok/s':>8s} {'train s':>8s} "
           f"{'imbalance (last half)':>22s}")
     for name, r in results.items():
         imb = "—" if r["mean_imbalance_last_half"] is None else f"{r['mean_imbalance_last_half']:.3f}"
-        print(f"{name:8s} {r['steps']:6d} {r['active_params']:9,d} {r['params']:9,d} {r['val_bpb']:8.4f} "
+        print(f"{name:10s} {r['steps']:6d} {r['active_params']:9,d} {r['params']:9,d} {r['val_bpb']:8.4f} "
               f"{r['tokens_per_second']:8,.0f} {r['train_seconds']:8.1f} {imb:>22s}")
     plot(results, args.out / "load_imbalance.png")
 
@@ -108,7 +113,8 @@ def plot(results: dict, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for name, label in (("moe", "offset rate u = 1e-3"), ("moe-u0", "u = 0 (no balancing)")):
+    u = results["balance-u"]["offset_rate"]
+    for name, label in (("balance-u", f"offset rate u = {u:g}"), ("balance-u0", "u = 0 (no balancing)")):
         if results[name]["imbalance_curve"]:
             ax.plot(*zip(*results[name]["imbalance_curve"]), label=label, lw=1)
     ax.set_xlabel("step")

@@ -297,3 +297,11 @@ def test_generate_greedy_matches_argmax_of_forward():
     for _ in range(6):
         seq = jnp.concatenate([seq, jnp.argmax(forward(params, seq, cfg)[:, -1], -1)[:, None]], axis=1)
     assert out.tokens[0].tolist() == seq[0, 3:].tolist()
+
+
+def test_public_api_at_the_package_root():
+    import mlx_llm
+    from mlx_llm.decode.generate import generate as generate_fn
+
+    assert mlx_llm.generate is generate_fn and callable(mlx_llm.generate)
+    assert mlx_llm.forward is forward and mlx_llm.init_params is init_params and mlx_llm.ModelConfig is ModelConfig

@@ -279,7 +279,9 @@ def train_run(run_dir, cfg: ModelConfig | None, tcfg: TrainConfig | None, spec: 
         tok.save(run_dir)
     log(f"corpus: {corpus.stats.describe()}; train {corpus.train.n_tokens:,} tokens, val {corpus.val.n_tokens:,} "
         f"tokens ({'cached' if corpus.cache_hit else f'encoded in {corpus.encode_seconds:.1f} s'})")
-    log(f"model: {cfg.param_count():,} parameters ({cfg.non_embedding_param_count():,} non-embedding), "
+    active = (f", {cfg.active_param_count():,} active per token" if cfg.active_param_count() != cfg.param_count()
+              else "")
+    log(f"model: {cfg.param_count():,} parameters ({cfg.non_embedding_param_count():,} non-embedding{active}), "
         f"vocab {cfg.vocab_size}; {jax.device_count()} device(s)")
     out = train_loop(run_dir, cfg, tcfg, corpus, resume=resume, show_progress=show_progress, log=log)
     summary = {**out["summary"], "unigram_val_bpb": corpus.unigram_bits_per_byte()}
