@@ -35,7 +35,7 @@ def workspace(tmp_path_factory):
     (ws / "bad.json").write_text("{not json")
     model = dict(vocab_size=263, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_head=8, d_ff=16, max_seq_len=32)
     (ws / "model.json").write_text(json.dumps(model))
-    (ws / "model_unknown.json").write_text(json.dumps({**model, "n_experts": 4}))
+    (ws / "model_unknown.json").write_text(json.dumps({**model, "n_expert": 4}))
     (ws / "model_gqa.json").write_text(json.dumps({**model, "n_kv_heads": 3}))
     run = ws / "run"
     proc = cli("train", "--data", corpus, "--out", run, "--config", ws / "model.json", "--tokenizer", "byte",
@@ -63,7 +63,7 @@ CASES = [
     (["train", "--data", "{ws}/empty", "--out", "{ws}/new1"], r"no .* files|empty|nothing"),
     (["train", "--config", "{ws}/bad.json", "--out", "{ws}/new2"], r"bad.json' is not valid JSON"),
     (["train", "--config", "{ws}/model_unknown.json", "--out", "{ws}/new3"],
-     r"unknown ModelConfig field\(s\) \['n_experts'\]"),
+     r"unknown ModelConfig field\(s\) \['n_expert'\]"),
     (["train", "--config", "{ws}/model_gqa.json", "--out", "{ws}/new4"],
      r"n_heads = 2 is not divisible by n_kv_heads = 3"),
     (["train", "--data", "{ws}/corpus", "--out", "{ws}/run", "--tokenizer", "byte"],

@@ -18,19 +18,8 @@ from mlx_llm.config import ModelConfig  # noqa: E402
 from mlx_llm.errors import InputError  # noqa: E402
 from mlx_llm.objectives.loss import masked_cross_entropy  # noqa: E402
 from mlx_llm.model import block, embed, forward  # noqa: E402
+from gradcheck import REL, assert_close, jit  # noqa: E402
 
-REL = 1e-10
-# These graphs are tiny and each is run once or twice: XLA's optimisation passes cost more than they save.
-jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0,
-                                                   "xla_llvm_disable_expensive_passes": True})
-
-
-def assert_close(got, want, rel=REL, what=""):
-    """Norm-relative check per array: max|a − b| ≤ rel · max(1, max|b|)."""
-    got, want = np.asarray(got), np.asarray(want)
-    assert got.shape == want.shape, (what, got.shape, want.shape)
-    err, scale = np.max(np.abs(got - want)), max(1.0, np.max(np.abs(want)))
-    assert err <= rel * scale, f"{what}: max|diff| = {err:.3e}, scale = {scale:.3e}"
 
 
 def assert_trees_close(got, want, rel=REL):

@@ -15,24 +15,13 @@ import mlx_llm  # noqa: E402
 from mlx_llm import ops  # noqa: E402
 from mlx_llm.layers import moe  # noqa: E402
 from mlx_llm.objectives import grads  # noqa: E402
+from gradcheck import REL, assert_close, jit  # noqa: E402
 
-REL = 1e-10
 FD_STEP, FD_GAP = 1e-6, 1e-7
 X, D, M, B, T = 4, 6, 5, 2, 3
 MOE_KEYS = ("ffn_norm", "router", "router_offset", "expert_gate", "expert_up", "expert_down",
             "shared_gate", "shared_up", "shared_down")
 EXPERT_KEYS = ("expert_gate", "expert_up", "expert_down")
-# Tiny graphs, each run once or twice: XLA's optimisation passes cost more than they save (as in test_grads).
-jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0,
-                                                   "xla_llvm_disable_expensive_passes": True})
-
-
-def assert_close(got, want, rel=REL, what=""):
-    """Norm-relative check per array: max|a − b| ≤ rel · max(1, max|b|)."""
-    got, want = np.asarray(got), np.asarray(want)
-    assert got.shape == want.shape, (what, got.shape, want.shape)
-    err, scale = np.max(np.abs(got - want)), max(1.0, np.max(np.abs(want)))
-    assert err <= rel * scale, f"{what}: max|diff| = {err:.3e}, scale = {scale:.3e}"
 
 
 def assert_grads_close(got, want, rel=REL):

@@ -1,1 +1,1 @@
-"""One module per sublayer kind: attention (GQA mixer), ffn (SwiGLU)."""
+"""One module per sublayer kind: attention (GQA mixer), ffn (SwiGLU), moe (routed experts), mamba (selective SSM)."""
