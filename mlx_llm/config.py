@@ -18,10 +18,10 @@ from mlx_llm.errors import ConfigError
 _POSITIVE_INTS = ("vocab_size", "d_model", "n_layers", "max_seq_len")
 
 # Sublayer kinds (DESIGN §1, "Variants") and the fields each one needs.
-MIXER_KINDS = ("attn",)
+MIXER_KINDS = ("attn", "mamba")
 FFN_KINDS = ("swiglu", "moe", "none")
 ROUTERS = ("sigmoid", "softmax")
-_NEEDS = {"attn": ("n_heads", "n_kv_heads", "d_head"), "swiglu": ("d_ff",),
+_NEEDS = {"attn": ("n_heads", "n_kv_heads", "d_head"), "mamba": (), "swiglu": ("d_ff",),
           "moe": ("n_experts", "moe_top_k", "moe_d_ff"), "none": ()}
 
 
@@ -104,6 +104,9 @@ class ModelConfig(JsonConfig):
     ``moe_top_k`` k selected per token, each expert a SwiGLU of width ``moe_d_ff``; ``router`` "sigmoid"
     (M20 §15: w_e = a_e/(ε_r + Σ_S a_j), ε_r = ``router_eps``) or "softmax" (U19 §3: softmax over the selected
     logits); ``offset_rate`` u of the balancing rule b_e ← b_e + u·sign(mean load − load_e) (0 turns it off).
+
+    Mamba-1 mixer (Gu & Dao 2023, M20 §19): state size N = ``ssm_state``, causal conv width W = ``ssm_conv``,
+    inner width I = ``ssm_expand``·d, Δ rank R = ``ssm_dt_rank`` (unset: ⌈d/16⌉, as published).
     """
 
     vocab_size: int
@@ -127,6 +130,10 @@ class ModelConfig(JsonConfig):
     router: str = "sigmoid"
     router_eps: float = 1e-9
     offset_rate: float = 0.0
+    ssm_state: int = 16
+    ssm_conv: int = 4
+    ssm_expand: int = 2
+    ssm_dt_rank: int | None = None
 
     def __post_init__(self) -> None:
         for name in _POSITIVE_INTS:
@@ -149,6 +156,8 @@ class ModelConfig(JsonConfig):
             self._check_attention()
         if "moe" in self.ffn_pattern:
             self._check_moe()
+        if "mamba" in self.mixer_pattern:
+            self._check_mamba()
 
     def _check_patterns(self) -> None:
         for name, kinds in (("mixer_pattern", MIXER_KINDS), ("ffn_pattern", FFN_KINDS)):
@@ -188,6 +197,13 @@ class ModelConfig(JsonConfig):
         _require_float(self, "router_eps", low=0.0, high=1.0)
         _require_float(self, "offset_rate", low=0.0, high=1.0)
 
+    def _check_mamba(self) -> None:
+        for name in ("ssm_state", "ssm_conv", "ssm_expand"):
+            _require_int(self, name, minimum=1)
+        if self.ssm_dt_rank is None:  # the published default, written into the config so JSON shows it
+            object.__setattr__(self, "ssm_dt_rank", -(-self.d_model // 16))
+        _require_int(self, "ssm_dt_rank", minimum=1)
+
     # ----- the stack ---------------------------------------------------------------------------------
     @property
     def period(self) -> int:
@@ -215,11 +231,21 @@ class ModelConfig(JsonConfig):
         return self.n_heads // self.n_kv_heads
 
     def mixer_param_count(self, kind: str) -> int:
-        """One mixer branch with its norm gain: attention 2d·h_q·d_h + 2d·h_kv·d_h + d (M20 §8)."""
+        """One mixer branch with its norm gain: attention 2d·h_q·d_h + 2d·h_kv·d_h + d (M20 §8); Mamba
+        ``mamba_param_count``."""
         d = self.d_model
         if kind == "attn":
             return 2 * d * self.n_heads * self.d_head + 2 * d * self.n_kv_heads * self.d_head + d
+        if kind == "mamba":
+            return self.mamba_param_count()
         raise ConfigError(f"no parameter count for mixer kind {kind!r}; valid kinds are {list(MIXER_KINDS)}")
+
+    def mamba_param_count(self) -> int:
+        """One Mamba mixer with its norm gain: d (norm) + 2dI (in_x, in_z) + WI + I (conv) + IR + RI + I (Δ)
+        + 2IN (w_B, w_C) + IN (A_log) + I (D) + Id (out_proj)."""
+        d, N, W, R = self.d_model, self.ssm_state, self.ssm_conv, self.ssm_dt_rank
+        I = self.ssm_expand * d
+        return d + 2 * d * I + W * I + I + 2 * I * R + I + 3 * I * N + I + I * d
 
     def ffn_param_count(self, kind: str, *, active: bool = False) -> int:
         """One FFN branch with its norm gain: SwiGLU 3dm + d (M20 §8); MoE d + dX (router) + 3d·m_e per expert,

@@ -29,16 +29,16 @@ import numpy as np
 
 from mlx_llm.config import ModelConfig
 from mlx_llm.errors import InputError
-from mlx_llm.layers import attention, ffn, moe
+from mlx_llm.layers import attention, ffn, mamba, moe
 from mlx_llm.ops import causal_mask, dense, rms_norm
 
 Params = dict
 
-MIXERS = {"attn": attention}
+MIXERS = {"attn": attention, "mamba": mamba}
 FFNS = {"swiglu": ffn, "moe": moe}
 # Normal draws each kind's ``init`` makes (the key stream is split once, so the dense layout draws exactly the
 # keys it always drew: embed, wq, wk, wv, wo, w_gate, w_up, w_down, unembed).
-_DRAWS = {"attn": 4, "swiglu": 3, "moe": 7, "none": 0}
+_DRAWS = {"attn": 4, "mamba": mamba.DRAWS, "swiglu": 3, "moe": 7, "none": 0}
 
 
 class Context(NamedTuple):

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mlx_llm.decode.state import KVCache, forward_cached, init_cache, unstack_layers
+from mlx_llm.decode.state import DecodeState, forward_cached, init_cache, reorder_rows, unstack_layers
 from mlx_llm.config import ModelConfig
 from mlx_llm.errors import InputError
 from mlx_llm.model import Params, check_tokens
@@ -108,11 +108,11 @@ class _Beams:
     tokens: jax.Array
 
 
-def _reorder(cache: KVCache, parent_BW) -> KVCache:
+def _reorder(cache: DecodeState, parent_BW) -> DecodeState:
     """Each surviving beam takes over its parent's cache (rows flattened as b·W + beam)."""
     b, w = parent_BW.shape
     src = (jnp.arange(b)[:, None] * w + parent_BW).reshape(-1)
-    return KVCache(k=cache.k[:, src], v=cache.v[:, src], lengths=cache.lengths[src])
+    return reorder_rows(cache, src)
 
 
 def _beam_select(t, logits_BWV, beams: _Beams, settings, eos_id, pad_id):
@@ -130,8 +130,7 @@ def _beam(params, prompt_BT, lengths_B, *, cfg, settings, max_new_tokens, eos_id
     logits_BV, cache = _prefill(params, prompt_BT, lengths_B, cfg, max_new_tokens)
     layers = unstack_layers(params, cfg) if unroll_layers else None
     b, v = logits_BV.shape
-    cache = KVCache(k=jnp.repeat(cache.k, w, axis=1), v=jnp.repeat(cache.v, w, axis=1),
-                    lengths=jnp.repeat(cache.lengths, w))
+    cache = reorder_rows(cache, jnp.repeat(jnp.arange(b), w))  # every prompt's state, W times
     acc = jnp.promote_types(logits_BV.dtype, jnp.float32)
     # All W beams start as the same prompt; only beam 0 may expand, so the first step has no duplicates.
     beams = _Beams(score=jnp.where(jnp.arange(w) == 0, 0.0, -jnp.inf).astype(acc) * jnp.ones((b, 1), acc),

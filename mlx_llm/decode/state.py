@@ -1,9 +1,12 @@
-"""The KV cache (M20 §14, U19 §6): allocation and the cached forward pass (byte count: ``accounting``).
+"""The decode state (M20 §14, §19; U19 §6): allocation and the cached forward pass (bytes: ``accounting``).
 
-The cache keeps, for every layer, the rotated keys K̃ and the unrotated values 𝖵 of every processed position
-(M20 §14's convention), for the h_kv key/value heads only (GQA, M20 §6). It is preallocated to ``max_len``
-slots; ``lengths[b]`` counts the valid slots of row b, so rows of a batch may hold prefixes of different
-lengths. Slot s of row b holds absolute position s.
+One ``DecodeState`` carries what every layer needs to continue a prefix:
+- attention layers: the rotated keys K̃ and the unrotated values 𝖵 of every processed position (M20 §14's
+  convention), for the h_kv key/value heads only (GQA, M20 §6), preallocated to ``max_len`` slots; slot s of
+  row b holds absolute position s;
+- Mamba layers: the conv window (the last W−1 conv inputs) and the SSM state (I, N), constant in the prefix.
+``lengths[b]`` counts the positions row b has processed, so rows of a batch may hold prefixes of different
+lengths. Each kind's arrays are stacked over the layers of that kind, in stack order.
 
 ``forward_cached`` is the prefill and the decode step alike: it computes Q/K/V for the new positions only,
 writes their K/V into the slots ``lengths[b] + t`` and lets each new query read every allowed slot.
@@ -18,36 +21,71 @@ import numpy as np
 
 from mlx_llm.config import ModelConfig
 from mlx_llm.errors import InputError
-from mlx_llm.layers import attention
+from mlx_llm.layers import attention, mamba
 from mlx_llm.model import FFNS, Context, Params, check_tokens, embed, layer_list, logits_from_hidden
 
 from mlx_llm.scaling.accounting import kv_cache_bytes  # noqa: F401  (re-exported: U19 §6's 2·L·t·h_kv·d_h·bytes)
 
 
 @flax.struct.dataclass
-class KVCache:
-    """Per-layer K̃ and 𝖵 for ``max_len`` slots, and the number of valid slots per row.
+class DecodeState:
+    """The state of every layer after ``lengths[b]`` positions of row b.
 
-    k, v: (L, B, S, G, K) — layers, batch, slots, key/value heads, head width. lengths: (B,) int32.
-    Slots at or beyond ``lengths[b]`` hold no valid position and are never read.
+    k, v: (L_attn, B, S, G, K) — attention layers, batch, slots, key/value heads, head width (slots at or beyond
+    ``lengths[b]`` hold no valid position and are never read). conv: (L_mamba, B, W−1, I), ssm: (L_mamba, B, I, N).
+    A kind the stack does not use has zero layers. lengths: (B,) int32. Every array but lengths has batch on
+    axis 1 (``reorder_rows``).
     """
 
     k: jax.Array
     v: jax.Array
     lengths: jax.Array
+    conv: jax.Array | None = None
+    ssm: jax.Array | None = None
 
     @property
     def max_len(self) -> int:
         return self.k.shape[2]
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
-    """An empty cache: zeros for K/V (never read before written) and lengths 0."""
+KVCache = DecodeState  # the name of the attention-only era, kept for readers of M20 §14
+
+
+def _layers_of(cfg: ModelConfig, kind: str) -> list[int]:
+    return [l for l in range(cfg.n_layers) if cfg.layer_kinds(l)[0] == kind]
+
+
+def kind_index(cfg: ModelConfig) -> list[int]:
+    """For each layer, its index among the layers of its mixer kind (its row in k/v or in conv/ssm)."""
+    seen: dict[str, int] = {}
+    out = []
+    for l in range(cfg.n_layers):
+        kind = cfg.layer_kinds(l)[0]
+        out.append(seen.get(kind, 0))
+        seen[kind] = out[-1] + 1
+    return out
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> DecodeState:
+    """An empty decode state: zeros (K/V are never read before written; zero conv window and SSM state are
+    the padding before the first token) and lengths 0."""
     for name, value in (("batch", batch), ("max_len", max_len)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise InputError(f"init_cache: {name} = {value!r} is invalid: it must be a positive integer")
-    shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.d_head)
-    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=jnp.zeros((batch,), jnp.int32))
+    n_attn, n_mamba = len(_layers_of(cfg, "attn")), len(_layers_of(cfg, "mamba"))
+    kv_shape = (n_attn, batch, max_len, cfg.n_kv_heads or 1, cfg.d_head or 1)
+    conv_BWI, ssm_BIN = mamba.init_state(cfg, batch, dtype) if n_mamba else (None, None)
+    stack = lambda a: None if a is None else jnp.broadcast_to(a, (n_mamba, *a.shape))
+    return DecodeState(k=jnp.zeros(kv_shape, dtype), v=jnp.zeros(kv_shape, dtype),
+                       lengths=jnp.zeros((batch,), jnp.int32), conv=stack(conv_BWI),
+                       ssm=stack(ssm_BIN))
+
+
+def reorder_rows(state: DecodeState, rows) -> DecodeState:
+    """The state of rows ``rows`` (a gather along the batch axis of every array: beam search, repeats)."""
+    take = lambda a: None if a is None else a[:, rows]
+    return state.replace(k=take(state.k), v=take(state.v), conv=take(state.conv), ssm=take(state.ssm),
+                         lengths=state.lengths[rows])
 
 
 def _check_capacity(cache: KVCache, n_new_B, t: int) -> None:
@@ -68,13 +106,19 @@ def _check_capacity(cache: KVCache, n_new_B, t: int) -> None:
         )
 
 
-def _cached_layer(carry, layer, kinds, l, cfg: ModelConfig, ctx: Context):
-    """One layer of the stack on the new positions, its K̃/𝖵 written into the carried cache in place."""
-    h_BTD, k_LBSGK, v_LBSGK = carry
-    h_BTD, k_LBSGK, v_LBSGK = attention.cached_branch(h_BTD, layer, cfg, ctx, k_LBSGK, v_LBSGK, l)
+def _cached_layer(carry, layer, kinds, i, cfg: ModelConfig, ctx: Context, n_new_B):
+    """One layer on the new positions; ``i`` is its row among the layers of its mixer kind. Attention writes
+    its K̃/𝖵 into the carried cache in place; Mamba advances its conv window and SSM state (rows stop at their
+    last real token)."""
+    h_BTD, k, v, conv, ssm = carry
+    if kinds[0] == "attn":
+        h_BTD, k, v = attention.cached_branch(h_BTD, layer, cfg, ctx, k, v, i)
+    else:
+        h_BTD, conv_i, ssm_i = mamba.advance(h_BTD, layer, cfg, conv[i], ssm[i], n_new_B)
+        conv, ssm = conv.at[i].set(conv_i), ssm.at[i].set(ssm_i)
     if kinds[1] != "none":  # routing is per token, so an MoE FFN decodes exactly like a dense one
         h_BTD, _ = FFNS[kinds[1]].branch(h_BTD, layer, cfg)
-    return h_BTD, k_LBSGK, v_LBSGK
+    return h_BTD, k, v, conv, ssm
 
 
 def unstack_layers(params: Params, cfg: ModelConfig) -> list[dict]:
@@ -108,20 +152,23 @@ def forward_cached(params: Params, tokens_BT, cache: KVCache, cfg: ModelConfig, 
     slots_BT = jnp.where(t_T[None, :] < n_new_B[:, None], positions_BT, cache.max_len)
 
     ctx = Context(positions_BT, mask_BTS, slots_BT=slots_BT)
-    carry = (embed(params, tokens_BT), cache.k, cache.v)
+    carry = (embed(params, tokens_BT), cache.k, cache.v, cache.conv, cache.ssm)
+    index = kind_index(cfg)
     if layers is not None:
         for l, layer in enumerate(layers):
-            carry = _cached_layer(carry, layer, cfg.layer_kinds(l), l, cfg, ctx)
+            carry = _cached_layer(carry, layer, cfg.layer_kinds(l), index[l], cfg, ctx, n_new_B)
     else:
         def step(carry, xs):
             group, g = xs
-            if cfg.uniform:
-                return _cached_layer(carry, group, cfg.group_kinds[0], g, cfg, ctx), None
-            for j, (layer, kinds) in enumerate(zip(group, cfg.group_kinds)):
-                carry = _cached_layer(carry, layer, kinds, g * cfg.period + j, cfg, ctx)
+            layers_of_group = [group] if cfg.uniform else group
+            for j, (layer, kinds) in enumerate(zip(layers_of_group, cfg.group_kinds)):
+                # layer g·P + j is row g·(kind's layers per period) + (its rank among them within the period)
+                per_period = sum(k[0] == kinds[0] for k in cfg.group_kinds)
+                carry = _cached_layer(carry, layer, kinds, g * per_period + index[j], cfg, ctx, n_new_B)
             return carry, None
 
         n_groups = jnp.arange(cfg.n_layers // cfg.period, dtype=jnp.int32)
         carry, _ = jax.lax.scan(step, carry, (params["blocks"], n_groups))
-    h_BTD, k, v = carry
-    return logits_from_hidden(h_BTD, params, cfg), KVCache(k=k, v=v, lengths=new_lengths_B)
+    h_BTD, k, v, conv, ssm = carry
+    return logits_from_hidden(h_BTD, params, cfg), cache.replace(k=k, v=v, conv=conv, ssm=ssm,
+                                                                  lengths=new_lengths_B)
