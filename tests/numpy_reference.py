@@ -1,4 +1,4 @@
-"""An independent NumPy float64 reference of the whole model (M20 §3–§9, §15), written from the equations.
+"""An independent NumPy float64 reference of the whole model (M20 §3–§9, §15, §19), written from the equations.
 
 Nothing here calls ``mlx_llm``: it takes a ``ModelConfig`` (read for its fields only) and a parameter pytree
 (converted to float64 NumPy arrays) and computes logits with plain loops and einsums, one token / head /
@@ -10,6 +10,11 @@ from __future__ import annotations
 import math
 
 import numpy as np
+
+import numpy_mamba_reference
+
+MAMBA_KEYS = ("ssm_norm", "in_x", "in_z", "conv_w", "conv_b", "w_dt", "w_B", "w_C", "dt_proj", "dt_bias", "A_log",
+              "D", "out_proj")
 
 
 def _np(a) -> np.ndarray:
@@ -121,8 +126,10 @@ def forward(params: dict, tokens, cfg, *, selections: dict | None = None) -> np.
         mixer = cfg.mixer_pattern[layer % len(cfg.mixer_pattern)]
         ffn = cfg.ffn_pattern[layer % len(cfg.ffn_pattern)]
         w = layer_weights(params, cfg, layer)
-        assert mixer == "attn", mixer
-        h = h + attention(rms_norm(h, w["attn_norm"], cfg.norm_eps), w, cfg)
+        if mixer == "attn":
+            h = h + attention(rms_norm(h, w["attn_norm"], cfg.norm_eps), w, cfg)
+        else:  # the Mamba block's own reference (numpy_mamba_reference.py), written from Gu & Dao's equations
+            h = numpy_mamba_reference.branch(h, {k: v for k, v in w.items() if k in MAMBA_KEYS}, cfg.norm_eps)
         if ffn == "none":
             continue
         y = rms_norm(h, w["ffn_norm"], cfg.norm_eps)

@@ -109,3 +109,36 @@ def test_state_bytes_do_not_grow_with_the_context():
 def test_bad_mamba_configs(change, message):
     with pytest.raises(ConfigError, match=message):
         ModelConfig(**{**BASE, "n_layers": 2, "mixer_pattern": ("mamba",), "ffn_pattern": ("none",), **change})
+
+
+def test_decode_state_bytes_match_the_allocated_state():
+    from mlx_llm.scaling.accounting import decode_state_bytes, kv_cache_bytes, ssm_state_scalars
+
+    for cfg in (PURE, HYBRID, HYBRID_MOE):
+        for t in (8, 64):
+            state = init_cache(cfg, 2, t)
+            allocated = sum(a.size * a.dtype.itemsize for a in (state.k, state.v, state.conv, state.ssm))
+            assert decode_state_bytes(cfg, t, 2) == allocated
+    assert kv_cache_bytes(PURE, 4096) == 0 and ssm_state_scalars(PURE) == 2 * (2 * 16 + 16 * 3)
+    assert kv_cache_bytes(HYBRID, 10) == 2 * 2 * 10 * 1 * 4 * 4  # 2 attention layers of the 4
+
+
+def test_packed_documents_equal_each_document_alone():
+    """Segment ids reset the SSM state and the conv window at a document start (and attention stays within)."""
+    cfg = HYBRID
+    params = init_params(cfg, jax.random.key(3), jnp.float64)
+    doc1, doc2 = [1, 2, 3, 4, 5], [6, 7, 8]
+    packed = forward(params, jnp.array([doc1 + doc2]), cfg, segment_ids_BT=jnp.array([[0] * 5 + [1] * 3]),
+                     positions_BT=jnp.array([list(range(5)) + list(range(3))]))
+    np.testing.assert_allclose(packed[0, :5], forward(params, jnp.array([doc1]), cfg)[0], atol=1e-12)
+    np.testing.assert_allclose(packed[0, 5:], forward(params, jnp.array([doc2]), cfg)[0], atol=1e-12)
+
+
+def test_float32_cached_decoding_equals_full_forward():
+    cfg = HYBRID_MOE
+    params = init_params(cfg, jax.random.key(4), jnp.float32)
+    tokens = jax.random.randint(jax.random.key(5), (1, 7), 0, 11)
+    state = init_cache(cfg, 1, 8, jnp.float32)
+    a, state = forward_cached(params, tokens[:, :4], state, cfg)
+    b, state = forward_cached(params, tokens[:, 4:], state, cfg)
+    np.testing.assert_allclose(jnp.concatenate([a, b], 1), forward(params, tokens, cfg), atol=1e-5)

@@ -96,6 +96,18 @@ def test_dense_default_matches_reference():
     assert diff <= TOL, diff
 
 
+@pytest.mark.parametrize("mixers, ffns", [(("mamba",), ("none",)), (("mamba", "attn"), ("moe", "swiglu"))])
+def test_mamba_and_hybrid_stacks_match_reference(mixers, ffns):
+    """Mamba mixers (M20 §19) in the stack: pure Mamba, and a hybrid with attention, MoE and SwiGLU."""
+    cfg = ModelConfig(vocab_size=V, n_layers=2, max_seq_len=16, **ATTN, d_ff=12, mixer_pattern=mixers,
+                      ffn_pattern=ffns, n_experts=4, moe_top_k=2, moe_d_ff=6, ssm_state=3, ssm_conv=3)
+    params = init_params(cfg, key(4), dtype=jnp.float64)
+    tokens = np.random.default_rng(4).integers(0, V, (B, T))
+    diff = _max_diff(params, tokens, cfg)
+    print(f"\n{mixers}/{ffns}: max|diff|={diff:.3e}")
+    assert diff <= TOL, diff
+
+
 @pytest.mark.parametrize("router", ["sigmoid", "softmax"])
 def test_offsets_steer_selection(router):
     """A large offset on the expert least used at zero offset puts it in every token's set (reference), and

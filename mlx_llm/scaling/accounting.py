@@ -188,8 +188,9 @@ class KVShape(NamedTuple):
 
 
 def _kv_shape(model) -> KVShape:
-    if isinstance(model, ModelConfig):
-        return KVShape(model.n_layers, model.n_kv_heads, model.d_head)
+    if isinstance(model, ModelConfig):  # only attention layers keep keys and values
+        n_attn = attention_layers(model)
+        return KVShape(n_attn, model.n_kv_heads or 1, model.d_head or 1) if n_attn else KVShape(0, 1, 1)
     if isinstance(model, tuple) and len(model) == 3:
         return KVShape(*(_count(name, v) for name, v in zip(KVShape._fields, model)))
     raise InputError(f"expected a ModelConfig or KVShape(n_layers, n_kv_heads, d_head); got {model!r}")
@@ -222,3 +223,25 @@ def kv_cache_bytes(model, seq_len: int, batch: int = 1, dtype="float32") -> int:
     64 MiB with 1. Runtime overhead (allocator padding, page tables) is not included.
     """
     return kv_cache_scalars(model, seq_len, batch) * bytes_per_scalar(dtype)
+
+
+def ssm_state_scalars(cfg: ModelConfig, batch: int = 1) -> int:
+    """Decode-state scalars of the Mamba layers, constant in the prefix length (M20 §19): per layer the conv
+    window (W−1)·I and the SSM state I·N, times ``batch``."""
+    n_mamba = sum(cfg.layer_kinds(l)[0] == "mamba" for l in range(cfg.n_layers))
+    if not n_mamba:
+        return 0
+    inner = cfg.ssm_expand * cfg.d_model
+    return n_mamba * ((cfg.ssm_conv - 1) * inner + inner * cfg.ssm_state) * _count("batch", batch)
+
+
+def decode_state_bytes(cfg: ModelConfig, seq_len: int, batch: int = 1, dtype="float32") -> int:
+    """Bytes of the whole decode state after ``seq_len`` tokens: the KV cache of the attention layers (grows
+    with t) plus the Mamba layers' conv windows and SSM states (do not). The SSM state is kept in at least
+    float32, the conv window in ``dtype``."""
+    n_mamba = sum(cfg.layer_kinds(l)[0] == "mamba" for l in range(cfg.n_layers))
+    inner = cfg.ssm_expand * cfg.d_model
+    b = _count("batch", batch)
+    conv = n_mamba * (cfg.ssm_conv - 1) * inner * b * bytes_per_scalar(dtype)
+    ssm = n_mamba * inner * cfg.ssm_state * b * max(bytes_per_scalar(dtype), 4)
+    return kv_cache_bytes(cfg, seq_len, batch, dtype) + conv + ssm
