@@ -241,20 +241,27 @@ def step(h_BD, layer, cfg, conv_BWI, ssm_BIN):
 
 
 def advance(h_BTD, layer, cfg, conv_BWI, ssm_BIN, n_new_B):
-    """T new positions of each row, of which only the first ``n_new_B[b]`` are real (prefill or decode; one
-    ``step`` per position under ``jax.lax.scan``). A row's conv window and state stop at its last real token;
-    outputs at padding positions are finite and meaningless. Returns (H' (B, T, D), conv window', SSM state')."""
-
-    def body(carry, t_h):
-        conv_BWI, ssm_BIN = carry
-        t, h_BD = t_h
-        out_BD, conv_new, ssm_new = step(h_BD, layer, cfg, conv_BWI, ssm_BIN)
-        real_B = t < n_new_B
-        conv_BWI = jnp.where(real_B[:, None, None], conv_new, conv_BWI)
-        ssm_BIN = jnp.where(real_B[:, None, None], ssm_new, ssm_BIN)
-        return (conv_BWI, ssm_BIN), out_BD
-
-    t = h_BTD.shape[1]
-    (conv_BWI, ssm_BIN), out_TBD = jax.lax.scan(body, (conv_BWI, ssm_BIN),
-                                                (jnp.arange(t), jnp.moveaxis(h_BTD, 1, 0)))
-    return jnp.moveaxis(out_TBD, 0, 1), conv_BWI, ssm_BIN
+    """T new positions of each row, of which only the first ``n_new_B[b]`` are real (prefill or decode),
+    continuing from the carried (conv window, SSM state). One token goes through ``step``; several go through
+    the parallel path of ``branch``: the window is prepended to the conv's input, the scan starts from the
+    carried state, and each row's new window and state are read off at its last real token (padding comes
+    after the real tokens, so it never reaches them). Returns (H' (B, T, D), conv window', SSM state')."""
+    if h_BTD.shape[1] == 1:
+        out_BD, conv_new, ssm_new = step(h_BTD[:, 0], layer, cfg, conv_BWI, ssm_BIN)
+        real_B = n_new_B > 0
+        return (out_BD[:, None], jnp.where(real_B[:, None, None], conv_new, conv_BWI),
+                jnp.where(real_B[:, None, None], ssm_new, ssm_BIN))
+    w1 = conv_BWI.shape[1]
+    x_BTI, z_BTI = in_projections(h_BTD, layer, cfg)
+    x_full = jnp.concatenate([conv_BWI, x_BTI.astype(conv_BWI.dtype)], axis=1)  # (B, W−1+T, I)
+    x_conv = jax.nn.silu(causal_conv(x_full.astype(x_BTI.dtype), layer["conv_w"], layer["conv_b"])[:, w1:])
+    dA_BTIN, dBx_BTIN, c_BTN = ssm_coefficients(x_conv, layer)
+    s_BTIN = selective_scan(dA_BTIN, dBx_BTIN, None, ssm_BIN)
+    out_BTD = h_BTD + out_projection(ssm_output(s_BTIN, c_BTN, x_conv, layer), z_BTI, layer).astype(h_BTD.dtype)
+    n_B = n_new_B.astype(jnp.int32)
+    last_B = jnp.maximum(n_B - 1, 0)
+    s_last = jnp.take_along_axis(s_BTIN, last_B[:, None, None, None], axis=1)[:, 0]
+    ssm_new = jnp.where((n_B > 0)[:, None, None], s_last.astype(ssm_BIN.dtype), ssm_BIN)
+    window_idx = n_B[:, None] + jnp.arange(w1)[None, :]  # x_full index j holds the input of position j − (W−1)
+    conv_new = jnp.take_along_axis(x_full, window_idx[:, :, None], axis=1)
+    return out_BTD, conv_new, ssm_new
