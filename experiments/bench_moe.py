@@ -22,12 +22,12 @@ import jax.numpy as jnp
 
 from mlx_llm import ModelConfig, init_params
 from mlx_llm.layers import ffn, moe
+from mlx_llm.ops import dense, rms_norm
 
 
 def ragged_branch(z_BTD, layer, cfg):
     """The MoE branch with the grouped products done by jax.lax.ragged_dot (reference only)."""
     b, t, d = z_BTD.shape
-    from mlx_llm.ops import dense, rms_norm
     y_ND = rms_norm(z_BTD, layer["ffn_norm"], cfg.norm_eps).reshape(b * t, d)
     ids, w = moe.route(dense(y_ND, layer["router"]), layer["router_offset"], cfg.moe_top_k, router=cfg.router)
     flat = ids.reshape(-1)

@@ -32,9 +32,9 @@ class DecodeState:
     """The state of every layer after ``lengths[b]`` positions of row b.
 
     k, v: (L_attn, B, S, G, K) — attention layers, batch, slots, key/value heads, head width (slots at or beyond
-    ``lengths[b]`` hold no valid position and are never read). conv: (L_mamba, B, W−1, I), ssm: (L_mamba, B, I, N).
-    A kind the stack does not use has zero layers. lengths: (B,) int32. Every array but lengths has batch on
-    axis 1 (``reorder_rows``).
+    ``lengths[b]`` hold no valid position and are never read; zero layers without attention). conv:
+    (L_mamba, B, W−1, I), ssm: (L_mamba, B, I, N), None without Mamba layers. lengths: (B,) int32. Every array
+    but lengths has batch on axis 1 (``reorder_rows``).
     """
 
     k: jax.Array
@@ -158,13 +158,14 @@ def forward_cached(params: Params, tokens_BT, cache: KVCache, cfg: ModelConfig, 
         for l, layer in enumerate(layers):
             carry = _cached_layer(carry, layer, cfg.layer_kinds(l), index[l], cfg, ctx, n_new_B)
     else:
+        per_period = {kind: sum(k[0] == kind for k in cfg.group_kinds) for kind in ("attn", "mamba")}
+
         def step(carry, xs):
             group, g = xs
             layers_of_group = [group] if cfg.uniform else group
             for j, (layer, kinds) in enumerate(zip(layers_of_group, cfg.group_kinds)):
-                # layer g·P + j is row g·(kind's layers per period) + (its rank among them within the period)
-                per_period = sum(k[0] == kinds[0] for k in cfg.group_kinds)
-                carry = _cached_layer(carry, layer, kinds, g * per_period + index[j], cfg, ctx, n_new_B)
+                # layer g·P + j is row g·(its kind's layers per period) + (its rank among them in the period)
+                carry = _cached_layer(carry, layer, kinds, g * per_period[kinds[0]] + index[j], cfg, ctx, n_new_B)
             return carry, None
 
         n_groups = jnp.arange(cfg.n_layers // cfg.period, dtype=jnp.int32)

@@ -147,9 +147,14 @@ def matmul_params(cfg: ModelConfig) -> int:
     return total
 
 
+def mixer_layers(cfg: ModelConfig, kind: str) -> int:
+    """How many layers of the stack have a mixer of ``kind`` ("attn", "mamba")."""
+    return sum(cfg.layer_kinds(l)[0] == kind for l in range(cfg.n_layers))
+
+
 def attention_layers(cfg: ModelConfig) -> int:
     """How many layers of the stack are attention mixers."""
-    return sum(cfg.layer_kinds(l)[0] == "attn" for l in range(cfg.n_layers))
+    return mixer_layers(cfg, "attn")
 
 
 def train_flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = False) -> float:
@@ -228,20 +233,20 @@ def kv_cache_bytes(model, seq_len: int, batch: int = 1, dtype="float32") -> int:
 def ssm_state_scalars(cfg: ModelConfig, batch: int = 1) -> int:
     """Decode-state scalars of the Mamba layers, constant in the prefix length (M20 §19): per layer the conv
     window (W−1)·I and the SSM state I·N, times ``batch``."""
-    n_mamba = sum(cfg.layer_kinds(l)[0] == "mamba" for l in range(cfg.n_layers))
-    if not n_mamba:
-        return 0
-    inner = cfg.ssm_expand * cfg.d_model
-    return n_mamba * ((cfg.ssm_conv - 1) * inner + inner * cfg.ssm_state) * _count("batch", batch)
+    conv, ssm = _mamba_state_scalars(cfg, _count("batch", batch))
+    return conv + ssm
+
+
+def _mamba_state_scalars(cfg: ModelConfig, batch: int) -> tuple[int, int]:
+    """(conv-window scalars, SSM-state scalars) of all Mamba layers for ``batch`` rows."""
+    n_mamba, inner = mixer_layers(cfg, "mamba"), cfg.ssm_expand * cfg.d_model
+    return n_mamba * (cfg.ssm_conv - 1) * inner * batch, n_mamba * inner * cfg.ssm_state * batch
 
 
 def decode_state_bytes(cfg: ModelConfig, seq_len: int, batch: int = 1, dtype="float32") -> int:
     """Bytes of the whole decode state after ``seq_len`` tokens: the KV cache of the attention layers (grows
     with t) plus the Mamba layers' conv windows and SSM states (do not). The SSM state is kept in at least
     float32, the conv window in ``dtype``."""
-    n_mamba = sum(cfg.layer_kinds(l)[0] == "mamba" for l in range(cfg.n_layers))
-    inner = cfg.ssm_expand * cfg.d_model
-    b = _count("batch", batch)
-    conv = n_mamba * (cfg.ssm_conv - 1) * inner * b * bytes_per_scalar(dtype)
-    ssm = n_mamba * inner * cfg.ssm_state * b * max(bytes_per_scalar(dtype), 4)
-    return kv_cache_bytes(cfg, seq_len, batch, dtype) + conv + ssm
+    conv, ssm = _mamba_state_scalars(cfg, _count("batch", batch))
+    size = bytes_per_scalar(dtype)
+    return kv_cache_bytes(cfg, seq_len, batch, dtype) + conv * size + ssm * max(size, 4)
