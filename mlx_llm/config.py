@@ -21,6 +21,7 @@ _POSITIVE_INTS = ("vocab_size", "d_model", "n_layers", "max_seq_len")
 MIXER_KINDS = ("attn", "mamba")
 FFN_KINDS = ("swiglu", "moe", "none")
 ROUTERS = ("sigmoid", "softmax")
+SSM_SCANS = ("fused", "associative")  # how the Mamba recurrence runs over a sequence (layers/mamba.py)
 _NEEDS = {"attn": ("n_heads", "n_kv_heads", "d_head"), "mamba": (), "swiglu": ("d_ff",),
           "moe": ("n_experts", "moe_top_k", "moe_d_ff"), "none": ()}
 
@@ -106,7 +107,9 @@ class ModelConfig(JsonConfig):
     logits); ``offset_rate`` u of the balancing rule b_e ← b_e + u·sign(mean load − load_e) (0 turns it off).
 
     Mamba-1 mixer (Gu & Dao 2023, M20 §19): state size N = ``ssm_state``, causal conv width W = ``ssm_conv``,
-    inner width I = ``ssm_expand``·d, Δ rank R = ``ssm_dt_rank`` (unset: ⌈d/16⌉, as published).
+    inner width I = ``ssm_expand``·d, Δ rank R = ``ssm_dt_rank`` (unset: ⌈d/16⌉, as published); ``ssm_scan``
+    "fused" (one pass over positions, hand-written backward; fastest on CPU) or "associative" (log depth over
+    materialised (B, T, I, N) tensors): how training and prefill run the recurrence (layers/mamba.py).
     """
 
     vocab_size: int
@@ -134,6 +137,7 @@ class ModelConfig(JsonConfig):
     ssm_conv: int = 4
     ssm_expand: int = 2
     ssm_dt_rank: int | None = None
+    ssm_scan: str = "fused"
 
     def __post_init__(self) -> None:
         for name in _POSITIVE_INTS:
@@ -203,6 +207,9 @@ class ModelConfig(JsonConfig):
         if self.ssm_dt_rank is None:  # the published default, written into the config so JSON shows it
             object.__setattr__(self, "ssm_dt_rank", -(-self.d_model // 16))
         _require_int(self, "ssm_dt_rank", minimum=1)
+        if self.ssm_scan not in SSM_SCANS:
+            raise ConfigError(f"ModelConfig.ssm_scan = {self.ssm_scan!r} is invalid: valid scans are "
+                              f"{list(SSM_SCANS)}")
 
     # ----- the stack ---------------------------------------------------------------------------------
     @property

@@ -100,6 +100,65 @@ def test_associative_scan_equals_sequential(case):
         assert max_err(seq, _sequential(dA, dBx, None, s0)) > 1e-2
 
 
+def _scan_inputs(seed, t=11):
+    rng = np.random.default_rng(seed)
+    return (jnp.asarray(rng.uniform(0.05, 1.5, (B, t, 5))), rand(seed + 1, (B, t, 5)), rand(seed + 2, (B, t, 3)),
+            rand(seed + 3, (B, t, 3)), -jnp.asarray(rng.uniform(0.2, 2.0, (5, 3))),
+            jnp.asarray(rng.random((B, t)) < 0.25), rand(seed + 4, (B, 5, 3)))
+
+
+def _via_associative(dt, x, b, c, a, reset, s0):
+    s = mamba.selective_scan(*mamba.discretise(dt, x, b, a), reset, s0)
+    return jnp.einsum("btin,btn->bti", s, c), s[:, -1]
+
+
+def _scan_loss(scan, *args):
+    y, s_last = scan(*args)  # a loss that weighs every output and the last state differently
+    return jnp.sum(jnp.sin(y) * jnp.arange(y.size).reshape(y.shape) / y.size) + jnp.sum(s_last ** 3)
+
+
+_fused_value_and_grad = jit(jax.value_and_grad(functools.partial(_scan_loss, mamba.fused_scan),
+                                               argnums=(0, 1, 2, 3, 4, 6)))
+_assoc_value_and_grad = jit(jax.value_and_grad(functools.partial(_scan_loss, _via_associative),
+                                               argnums=(0, 1, 2, 3, 4, 6)))
+
+
+def test_fused_scan_equals_associative_scan_values_and_gradients():
+    """The fused scan (one pass, hand-written backward) against autodiff through the associative scan: outputs,
+    last state and the gradients of every input (Δ, x, B, C, A, s_{−1}), with resets, float64."""
+    args = _scan_inputs(30)
+    y, s_last = jit(mamba.fused_scan)(*args)
+    y_ref, s_ref = _via_associative(*args)
+    assert max_err(y, y_ref) <= 1e-12 and max_err(s_last, s_ref) <= 1e-12
+    (v, grads), (v_ref, grads_ref) = _fused_value_and_grad(*args), _assoc_value_and_grad(*args)
+    assert abs(float(v - v_ref)) <= 1e-12
+    for name, g, g_ref in zip(("dt", "x", "B", "C", "A", "s0"), grads, grads_ref):
+        scale = float(np.max(np.abs(np.asarray(g_ref))))
+        assert scale > 1e-3, name  # every input really matters
+        assert max_err(g, g_ref) <= 1e-12 * max(1.0, scale), (name, max_err(g, g_ref))
+
+
+def test_zero_step_is_the_identity():
+    """Δ = 0 gives Ā = 1, B̄x = 0: the state passes through unchanged (``advance`` pads with it)."""
+    dt, x, b, c, a, _, s0 = _scan_inputs(31)
+    dt = dt.at[:, 4:].set(0.0)
+    _, s_last = mamba.fused_scan(dt, x, b, c, a, None, s0)
+    _, s_at_3 = mamba.fused_scan(dt[:, :4], x[:, :4], b[:, :4], c[:, :4], a, None, s0)
+    assert max_err(s_last, s_at_3) <= 1e-14
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_branch_is_the_same_under_either_scan(packed):
+    h = rand(32, (B, T, D))
+    seg = jnp.asarray(SEGMENTS) if packed else None
+    assoc_cfg = types.SimpleNamespace(**vars(CFG), ssm_scan="associative")
+    got = jit(lambda h, layer, seg: mamba.branch(h, layer, assoc_cfg, types.SimpleNamespace(segment_ids_BT=seg)))(
+        h, layer0(), seg)
+    assert max_err(got, branch(h, seg)) <= 1e-12
+    with pytest.raises(ValueError, match=r"scan = 'parallel' is invalid: valid scans are \['fused', 'associative'\]"):
+        mamba.mix(h, layer0(), "parallel")
+
+
 # ----- the branch against NumPy, packed documents -----------------------------------------------------------
 @pytest.mark.parametrize("packed", [False, True])
 def test_branch_matches_numpy_reference(packed):
