@@ -15,12 +15,18 @@ float32 array, best of several) and reports the fraction of the weight-streaming
 
     bound per token = (bytes of weights read per token + bytes of K/V cache read per token) / bandwidth
 
-Usage: python experiments/bench_decode.py [--quick] [--d-model 512 --n-layers 8 ...]
+Any variant: ``--config experiments/configs/mamba.json`` (or hybrid.json, moe.json) decodes that model (its
+max_seq_len raised to fit the contexts). The table then shows the decode state's bytes at each context: the K/V
+cache of attention layers grows with it, a Mamba layer's (conv window, SSM state) does not, so a pure-SSM
+model's per-token time is flat in the context while the recompute column still grows.
+
+Usage: python experiments/bench_decode.py [--quick] [--d-model 512 --n-layers 8 ... | --config FILE.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import jax
@@ -28,13 +34,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from mlx_llm import ModelConfig, forward, init_params
-from mlx_llm.scaling.accounting import kv_cache_bytes, kv_rows
+from mlx_llm.scaling.accounting import decode_state_bytes, kv_rows
 from mlx_llm.decode.state import forward_cached, init_cache, unstack_layers
 from mlx_llm.decode.generate import generate
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", help="a ModelConfig JSON file (any mixer/FFN pattern) instead of the flags below")
     ap.add_argument("--d-model", type=int, default=512)
     ap.add_argument("--n-layers", type=int, default=8)
     ap.add_argument("--n-heads", type=int, default=8)
@@ -153,20 +160,22 @@ def in_place_check(params, cfg, max_len, layers):
     step = jax.jit(forward_cached, static_argnames="cfg", donate_argnames="cache")
     cache = init_cache(cfg, 1, max_len, params["embed"].dtype)
     mem = step.lower(params, jnp.zeros((1, 1), jnp.int32), cache, cfg, layers=layers).compile().memory_analysis()
-    return mem.temp_size_in_bytes, kv_cache_bytes(cfg, max_len, 1, params["embed"].dtype)
+    return mem.temp_size_in_bytes, decode_state_bytes(cfg, max_len, 1, params["embed"].dtype)
 
 
 def describe(args, cfg, params, w_bytes):
     """Print the machine, the model, the read bandwidth and the in-place check; return the bandwidth."""
     print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), dtype {args.dtype}")
-    print(f"model: d={cfg.d_model} L={cfg.n_layers} heads {cfg.n_heads}q/{cfg.n_kv_heads}kv d_head={cfg.d_head} "
-          f"d_ff={cfg.d_ff} V={cfg.vocab_size}: {cfg.param_count() / 1e6:.1f}M parameters, "
-          f"{w_bytes / 2**20:.1f} MiB of weights read per token")
+    kinds = "/".join(f"{m}+{f}" for m, f in cfg.group_kinds)
+    heads = (f" heads {cfg.n_heads}q/{cfg.n_kv_heads}kv d_head={cfg.d_head}" if "attn" in cfg.mixer_pattern
+             else f" N={cfg.ssm_state} I={cfg.ssm_expand * cfg.d_model}")
+    print(f"model: d={cfg.d_model} L={cfg.n_layers} layers {kinds}{heads} d_ff={cfg.d_ff} V={cfg.vocab_size}: "
+          f"{cfg.param_count() / 1e6:.1f}M parameters, {w_bytes / 2**20:.1f} MiB of weights read per token")
     bw = read_bandwidth(args.bandwidth_gib, args.repeats)
     print(f"read bandwidth (jitted sum over {args.bandwidth_gib:g} GiB float32, best of ≥5): {bw / 1e9:.1f} GB/s")
     for name, layers in (("per-layer weights", unstack_layers(params, cfg)), ("layer scan", None)):
         temp, cache_b = in_place_check(params, cfg, max(args.contexts) + args.new_tokens, layers)
-        print(f"one decode step ({name}), cache of {cache_b / 2**20:.1f} MiB: compiled temporaries "
+        print(f"one decode step ({name}), decode state of {cache_b / 2**20:.1f} MiB: compiled temporaries "
               f"{temp / 2**20:.2f} MiB")
     print("  (the cache update is in place: no temporary of the cache's size. Temporaries: one layer's K/V slice"
           " copied for the attention matmul; under the layer scan also one layer's weights, copied every step)")
@@ -176,9 +185,13 @@ def describe(args, cfg, params, w_bytes):
 def main(argv=None):
     args = parse_args(argv)
     dtype = jnp.dtype(args.dtype)
-    cfg = ModelConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
-                      n_kv_heads=args.n_kv_heads, d_head=args.d_model // args.n_heads, d_ff=args.d_ff,
-                      max_seq_len=max(args.contexts) + args.new_tokens + 1)
+    max_len = max(args.contexts) + args.new_tokens + 1
+    if args.config:
+        cfg = dataclasses.replace(ModelConfig.from_json(args.config), max_seq_len=max_len)
+    else:
+        cfg = ModelConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
+                          n_kv_heads=args.n_kv_heads, d_head=args.d_model // args.n_heads, d_ff=args.d_ff,
+                          max_seq_len=max_len)
     # an RBG key: the weights' values do not matter here, and threefry compiles slowly on a small CPU
     params = jax.jit(init_params, static_argnums=(0, 2))(cfg, jax.random.key(0, impl="rbg"), dtype)
     w_bytes = weight_bytes_per_token(params, cfg)
@@ -186,21 +199,23 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     prompts = {ctx: jnp.asarray(rng.integers(0, cfg.vocab_size, (1, ctx)), jnp.int32) for ctx in args.contexts}
     head = (f"\n{'context':>7} | {'cached scan':>11} | {'layer scan':>11} | {'python loop':>11} | {'recompute':>10} | "
-            f"{'recomp/cached':>13} | {'rows n vs n(n+1)/2':>19} | {'bound':>8} | {'of bound':>8}")
+            f"{'recomp/cached':>13} | {'state bytes':>11} | {'bound':>8} | {'of bound':>8}")
     print(head + "\n" + "-" * (len(head) - 1))
     for ctx, prompt in prompts.items():
         m = measure(params, cfg, prompt, args.new_tokens, args.repeats)
-        t_bound = (w_bytes + kv_cache_bytes(cfg, ctx, 1, dtype)) / bw
-        rows = f"{kv_rows(ctx, True)} vs {kv_rows(ctx, False)}"
+        state_b = decode_state_bytes(cfg, ctx, 1, dtype)
+        t_bound = (w_bytes + state_b) / bw
         print(f"{ctx:>7} | {m['scan'] * 1e3:>8.2f} ms | {m['lscan'] * 1e3:>8.2f} ms | {m['loop'] * 1e3:>8.2f} ms | "
-              f"{m['recompute'] * 1e3:>7.1f} ms | {m['recompute'] / m['scan']:>12.1f}x | {rows:>19} | "
+              f"{m['recompute'] * 1e3:>7.1f} ms | {m['recompute'] / m['scan']:>12.1f}x | {state_b:>11,d} | "
               f"{t_bound * 1e3:>5.2f} ms | {t_bound / m['scan']:>7.0%}")
     ctx0 = args.contexts[0]
     t_first, t_tok = generate_check(params, cfg, prompts[ctx0], args.new_tokens, args.repeats)
     print(f"\ngenerate() end to end at context {ctx0}: prefill + first token {t_first * 1e3:.1f} ms, then "
           f"{t_tok * 1e3:.2f} ms per token ({1 / t_tok:.0f} tokens/s)")
-    print("per-token times, batch 1; tokens/s = 1000 / ms. 'bound' = (weights + K/V cache at that context) / "
-          "bandwidth; 'of bound' = bound / cached-scan time.")
+    print("per-token times, batch 1; tokens/s = 1000 / ms. 'state bytes' = K/V cache + Mamba states at that "
+          "context; 'bound' = (weights + state) / bandwidth; 'of bound' = bound / cached-scan time.\n"
+          f"K/V rows one attention layer computes to write {ctx0} tokens (U19 §6): {kv_rows(ctx0, True):,d} with "
+          f"the cache, {kv_rows(ctx0, False):,d} without.")
 
 
 if __name__ == "__main__":

@@ -140,6 +140,15 @@ def test_matmul_params_running_example():
     assert matmul_params(tied) == matmul_params(cfg)  # Λ = RU is a d×V product either way
 
 
+
+def test_matmul_params_counts_mamba_projections_only():
+    """d=8, I=16, N=4, R=1, W=4: projections 2·8·16 + 2·16·1 + 2·16·4 + 16·8 = 544 (of the mixer's 737
+    parameters: the conv 4·16 + 16, Δ bias 16, A_log 16·4, D 16 and the norm 8 are elementwise); plus dV."""
+    cfg = ModelConfig(vocab_size=10, d_model=8, n_layers=1, max_seq_len=4, mixer_pattern=("mamba",),
+                      ffn_pattern=("none",), ssm_state=4, tie_embeddings=True)
+    assert cfg.mamba_param_count() == 544 + 4 * 16 + 16 + 16 + 16 * 4 + 16 + 8
+    assert matmul_params(cfg) == 544 + 8 * 10
+
 def test_train_flops_per_token_formula():
     cfg, _, _, _ = examples.running_example()
     assert train_flops_per_token(cfg, 3) == 6 * 36 + 12 * 1 * 3 * 1 * 2

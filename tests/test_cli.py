@@ -103,3 +103,33 @@ def test_batch_not_divisible_by_devices(workspace):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "batch_size = 3 (micro-batch 3 with grad_accum = 1) cannot be split over 2 devices" in proc.stderr
     assert snapshot(workspace) == before
+
+
+def test_train_and_generate_a_hybrid_config(workspace, tmp_path):
+    """`train --config` and `generate` on a Mamba + attention hybrid (the configs in experiments/configs/ have
+    the same shape, only larger): the run trains, evaluates, samples and decodes through the mixed state."""
+    hybrid = dict(vocab_size=263, d_model=16, n_layers=2, mixer_pattern=["mamba", "attn"], ffn_pattern=["none", "swiglu"],
+                  n_heads=2, n_kv_heads=1, d_head=8, d_ff=16, ssm_state=4, max_seq_len=32, tie_embeddings=True)
+    (tmp_path / "hybrid.json").write_text(json.dumps(hybrid))
+    proc = cli("train", "--data", workspace / "corpus", "--out", tmp_path / "run", "--config", tmp_path / "hybrid.json",
+               "--tokenizer", "byte", "--steps", 2, "--warmup-steps", 1, "--batch-size", 2, "--seq-len", 16,
+               "--eval-interval", 2, "--eval-tokens", 64, "--sample-tokens", 4, "--no-progress",
+               "--cache-dir", workspace / "cache")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "bits/byte" in proc.stdout and "sample:" in proc.stdout
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert saved["mixer_pattern"] == ["mamba", "attn"] and saved["ssm_scan"] == "fused"
+    proc = cli("generate", "--run", tmp_path / "run", "--prompt", "def ", "--max-new-tokens", 5, "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(json.loads(proc.stdout)["continuation_ids"]) <= 5
+
+
+def test_shipped_variant_configs_load():
+    from mlx_llm import ModelConfig
+
+    kinds = {}
+    for path in sorted((REPO / "experiments" / "configs").glob("*.json")):
+        cfg = ModelConfig.from_json(path)
+        kinds[path.stem] = (set(cfg.mixer_pattern), set(cfg.ffn_pattern))
+    assert kinds["mamba"] == ({"mamba"}, {"none"}) and kinds["hybrid"] == ({"mamba", "attn"}, {"none", "swiglu"})
+    assert kinds["dense"] == ({"attn"}, {"swiglu"}) and "moe" in kinds["moe"][1]

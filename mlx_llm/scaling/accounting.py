@@ -137,14 +137,23 @@ def matmul_params(cfg: ModelConfig) -> int:
     Dense: L(2d·h_q·d_h + 2d·h_kv·d_h + 3dm) + dV. An MoE layer counts its router dX and the k routed plus S
     shared experts a token runs, 3d·m_e each (M20 §15, U19 §3). The embedding lookup is a gather (no
     multiply-adds) and is left out; the output projection Λ = RU is a real d×V product whether or not U = Eᵀ,
-    so it is counted once either way. Norm gains are elementwise.
+    so it is counted once either way. Norm gains are elementwise. A Mamba layer counts its projections
+    in_x, in_z (2dI), w_dt and dt_proj (2IR), w_B and w_C (2IN) and out_proj (Id); its depthwise conv, biases,
+    A_log and D act elementwise, and the scan's own work (a few operations per (i, n) per token) is not a
+    weight product either.
     """
     d = cfg.d_model
     total = d * cfg.vocab_size
     for mixer, ffn in (cfg.layer_kinds(l) for l in range(cfg.n_layers)):
-        total += cfg.mixer_param_count(mixer) - d  # without the norm gain
+        total += mamba_matmul_params(cfg) if mixer == "mamba" else cfg.mixer_param_count(mixer) - d
         total += max(cfg.ffn_param_count(ffn, active=True) - d, 0)
     return total
+
+
+def mamba_matmul_params(cfg: ModelConfig) -> int:
+    """Weights of one Mamba mixer used in matrix products: 2dI + 2IR + 2IN + Id = 3dI + 2I(R + N)."""
+    d, inner, n, r = cfg.d_model, cfg.ssm_expand * cfg.d_model, cfg.ssm_state, cfg.ssm_dt_rank
+    return 3 * d * inner + 2 * inner * (r + n)
 
 
 def mixer_layers(cfg: ModelConfig, kind: str) -> int:
