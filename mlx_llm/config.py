@@ -98,6 +98,8 @@ class ModelConfig(JsonConfig):
     every layer, with M20's parameter layout. Fields a kind needs are required only when a layer uses it.
 
     ``n_heads * d_head`` need not equal ``d_model`` (the generalisation of M20 §8's count).
+    ``causal`` false makes every attention layer bidirectional within a document (the masked-diffusion denoiser of
+    M20 §19, objectives/diffusion.py); such a model has no KV cache and no next-token decoding.
     ``rope_scale`` multiplies every position before rotation (position interpolation, U19 §7):
     0.25 makes position 6000 act as 1500.
 
@@ -123,6 +125,7 @@ class ModelConfig(JsonConfig):
     rope_scale: float = 1.0
     norm_eps: float = 1e-6
     tie_embeddings: bool = False
+    causal: bool = True
     max_seq_len: int
     mixer_pattern: tuple[str, ...] = ("attn",)
     ffn_pattern: tuple[str, ...] = ("swiglu",)
@@ -146,7 +149,12 @@ class ModelConfig(JsonConfig):
             _require_float(self, name, positive=True)
         if not isinstance(self.tie_embeddings, bool):
             raise ConfigError(f"ModelConfig.tie_embeddings = {self.tie_embeddings!r} is invalid: it must be true or false")
+        if not isinstance(self.causal, bool):
+            raise ConfigError(f"ModelConfig.causal = {self.causal!r} is invalid: it must be true or false")
         self._check_patterns()
+        if not self.causal and "mamba" in self.mixer_pattern:
+            raise ConfigError("ModelConfig.causal = false cannot be used with Mamba layers: a Mamba mixer reads only "
+                              "earlier positions; a bidirectional denoiser needs mixer_pattern ['attn']")
         for kind in sorted(set(self.mixer_pattern) | set(self.ffn_pattern)):
             for name in _NEEDS[kind]:
                 if getattr(self, name) is None:

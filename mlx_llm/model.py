@@ -30,7 +30,7 @@ import numpy as np
 from mlx_llm.config import ModelConfig
 from mlx_llm.errors import InputError
 from mlx_llm.layers import attention, ffn, mamba, moe
-from mlx_llm.ops import causal_mask, dense, rms_norm
+from mlx_llm.ops import causal_mask, dense, document_mask, rms_norm
 
 Params = dict
 
@@ -164,7 +164,8 @@ def hidden_states(params: Params, tokens_BT, cfg: ModelConfig, *, positions_BT=N
     b, t = tokens_BT.shape
     if positions_BT is None:
         positions_BT = jnp.broadcast_to(jnp.arange(t), (b, t))
-    ctx = Context(positions_BT, causal_mask(segment_ids_BT, b, t), segment_ids_BT)
+    mask = causal_mask if cfg.causal else document_mask
+    ctx = Context(positions_BT, mask(segment_ids_BT, b, t), segment_ids_BT)
     h_BTD, aux = run_stack(embed(params, tokens_BT), params, cfg, ctx)
     return (h_BTD, aux) if return_aux else h_BTD
 

@@ -55,6 +55,13 @@ def causal_mask(segment_ids_BT: jax.Array | None, batch: int, length: int) -> ja
     return mask_BTS
 
 
+def document_mask(segment_ids_BT: jax.Array | None, batch: int, length: int) -> jax.Array:
+    """The bidirectional mask of a denoiser (M20 §19): every position reads every position of its document."""
+    if segment_ids_BT is None:
+        return jnp.ones((batch, length, length), bool)
+    return segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
+
+
 def attention(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, mask_BTS: jax.Array) -> jax.Array:
     """M20 §6 causal GQA attention: S_j = Q̃_j K̃_g(j)ᵀ/√d_h + M, A_j = softmax_row(S_j), O_j = A_j V_g(j).
 

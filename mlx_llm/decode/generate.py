@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mlx_llm.decode.state import DecodeState, forward_cached, init_cache, reorder_rows, unstack_layers
+from mlx_llm.decode.state import DecodeState, forward_cached, init_cache, reorder_rows, require_causal, unstack_layers
 from mlx_llm.config import ModelConfig
 from mlx_llm.errors import InputError
 from mlx_llm.model import Params, check_tokens
@@ -209,6 +209,7 @@ def generate(params: Params, cfg: ModelConfig, prompt_BT, max_new_tokens: int, *
     per call, instead of scanning the stacked weights (whose per-layer slices XLA copies every step; see
     ``forward_cached``). The prefill always scans. Results are identical; False compiles faster for deep models.
     """
+    require_causal(cfg)
     settings = DecodeSettings(temperature=temperature, top_k=top_k, top_p=top_p, beam_width=beam_width,
                               length_penalty=length_penalty).check_vocab(cfg.vocab_size)
     prompt, lengths = _check_request(cfg, prompt_BT, max_new_tokens, prompt_lengths, eos_id, pad_id, seed)

@@ -126,6 +126,16 @@ def unstack_layers(params: Params, cfg: ModelConfig) -> list[dict]:
     return [layer for layer, _ in layer_list(params, cfg)]
 
 
+def require_causal(cfg: ModelConfig) -> None:
+    """Cached next-token decoding exists only for causal models: a bidirectional denoiser (``cfg.causal`` false)
+    re-reads the whole changing sequence at every step, so there is no append-only state to carry (M20 §19,
+    Figure 6); sample it with ``mlx_llm.decode.diffusion``."""
+    if not cfg.causal:
+        raise InputError("this model is bidirectional (causal = false): it has no KV cache and no next-token "
+                         "decoding; sample it with mlx_llm.decode.diffusion.sample (the CLI does this for a "
+                         "diffusion run)")
+
+
 def forward_cached(params: Params, tokens_BT, cache: KVCache, cfg: ModelConfig, *, n_new_B=None, layers=None):
     """Logits (B, T, V) of the new positions and the cache that includes them (M20 §14).
 
@@ -140,6 +150,7 @@ def forward_cached(params: Params, tokens_BT, cache: KVCache, cfg: ModelConfig, 
     its matmul, so under the scan each decode step copies all the weights once more; at batch 1, where a
     step is bound by reading the weights, that copy roughly doubles the step time (experiments/bench_decode.py).
     """
+    require_causal(cfg)
     check_tokens(tokens_BT, cfg)
     tokens_BT = jnp.asarray(tokens_BT)
     b, t = tokens_BT.shape

@@ -45,10 +45,12 @@ def attention_output(o_BTHK, layer) -> jax.Array:
 
 
 def branch(h_BTD, layer, cfg, ctx) -> jax.Array:
-    """M20 §7 first line: Z = H + A(N_γa(H)), over the whole sequence (``ctx.mask_BTS`` causal, per document)."""
+    """M20 §7 first line: Z = H + A(N_γa(H)), over the whole sequence (``ctx.mask_BTS`` causal, per document;
+    bidirectional, per document, when ``cfg.causal`` is false)."""
     x_BTD = rms_norm(h_BTD, layer["attn_norm"], cfg.norm_eps)
     q, k, v = attention_qkv(x_BTD, layer, cfg, ctx.positions_BT)
-    return h_BTD + attention_output(causal_attention(q, k, v, ctx.mask_BTS), layer)
+    mix = causal_attention if getattr(cfg, "causal", True) else attention
+    return h_BTD + attention_output(mix(q, k, v, ctx.mask_BTS), layer)
 
 
 def cached_branch(h_BTD, layer, cfg, ctx, k_LBSGK, v_LBSGK, l):

@@ -30,6 +30,8 @@ from mlx_llm.errors import ConfigError, DataError, InputError
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 CHAT_MARKERS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
 SPECIAL_TOKENS = (BOS, EOS, PAD) + CHAT_MARKERS
+MASK = "<|mask|>"  # the absorbing state of masked diffusion (objectives/diffusion.py)
+DIFFUSION_SPECIAL_TOKENS = SPECIAL_TOKENS + (MASK,)  # a diffusion run's tokenizer; AR runs keep SPECIAL_TOKENS
 TOKENIZER_FILE = "tokenizer.json"
 _BYTE_TYPE = "mlx_llm.byte"
 
@@ -114,6 +116,11 @@ class Tokenizer(abc.ABC):
     @property
     def pad_id(self) -> int:
         return self.token_id(PAD)
+
+    @property
+    def mask_id(self) -> int | None:
+        """Id of ``<|mask|>``, or None for a tokenizer built without it (AR runs)."""
+        return self.token_id(MASK) if MASK in self.special_tokens else None
 
     def encode(self, text: str, *, parse_special: bool = False) -> np.ndarray:
         """Text → (n,) int32 ids. No BOS/EOS is added; marker strings stay text unless ``parse_special``."""
