@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from mlx_llm.config import COMPUTE_DTYPES, ModelConfig, TrainConfig
+from mlx_llm.config import COMPUTE_DTYPES, OBJECTIVES, ModelConfig, TrainConfig
 from mlx_llm.errors import MLXLLMError
 
 # The main job: under 5 minutes on 2 CPU cores, ≤ 1.8 bits per byte on held-out stdlib files (README, "Main
@@ -28,7 +28,7 @@ MAIN_JOB_VOCAB = 1024
 TRAIN_FLAGS = {"steps": int, "batch_size": int, "seq_len": int, "lr": float, "warmup_steps": int,
                "grad_accum": int, "eval_interval": int, "eval_tokens": int, "checkpoint_interval": int,
                "keep_checkpoints": int, "seed": int, "compute_dtype": str, "weight_decay": float,
-               "clip_norm": float, "log_interval": int}
+               "clip_norm": float, "log_interval": int, "objective": str}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -55,7 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--sample-tokens", type=int, default=200)
     tr.add_argument("--no-progress", action="store_true")
     for flag, typ in TRAIN_FLAGS.items():
-        kwargs = {"choices": COMPUTE_DTYPES} if flag == "compute_dtype" else {}
+        kwargs = {"compute_dtype": {"choices": COMPUTE_DTYPES},
+                  "objective": {"choices": OBJECTIVES, "help": "ar (next token, default) or diffusion (masked "
+                                "diffusion: a bidirectional denoiser trained on the NELBO bound)"}}.get(flag, {})
         tr.add_argument("--" + flag.replace("_", "-"), type=typ, dest=flag, **kwargs)
 
     ev = sub.add_parser("eval", help="val loss, perplexity and bits per byte of a run's latest checkpoint")
@@ -71,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     ge.add_argument("--top-k", type=int)
     ge.add_argument("--top-p", type=float)
     ge.add_argument("--beam", type=int, help="beam width (beam search; excludes sampling settings)")
+    ge.add_argument("--diffusion-steps", type=int, default=64, help="denoising steps S (diffusion runs)")
+    ge.add_argument("--sampler", choices=("ancestral", "remask"), default="ancestral",
+                    help="diffusion sampler (diffusion runs; default %(default)s)")
     ge.add_argument("--seed", type=int, default=0)
     ge.add_argument("--step", type=int, help="checkpoint step (default: latest)")
     ge.add_argument("--json", action="store_true", help="print the result and how to reproduce it as JSON")
@@ -106,19 +111,30 @@ def cmd_train(args) -> int:
     summary = train_run(out, cfg, tcfg, spec, resume=args.resume, show_progress=not args.no_progress,
                         cache_dir=args.cache_dir, sample_prompt=args.prompt, sample_tokens=args.sample_tokens)
     print(f"run: {out}")
+    bound = " (diffusion NELBO: upper bounds)" if _is_diffusion(out) else ""
     print(f"val loss {summary['val_loss']:.4f} nats/token, perplexity {summary['val_ppl']:.2f}, "
-          f"bits/byte {summary['val_bpb']:.4f} (unigram baseline {summary['unigram_val_bpb']:.4f}); "
+          f"bits/byte {summary['val_bpb']:.4f}{bound} (unigram baseline {summary['unigram_val_bpb']:.4f}); "
           f"wall {summary['wall_seconds']:.0f} s")
     print("sample:\n" + summary["sample"])
     return 0
+
+
+def _is_diffusion(run_dir) -> bool:
+    from mlx_llm.train.checkpoint import read_run_files
+
+    try:
+        return read_run_files(Path(run_dir))[1].objective == "diffusion"
+    except MLXLLMError:
+        return False
 
 
 def cmd_eval(args) -> int:
     from mlx_llm.train.run import evaluate_run
 
     step, res = evaluate_run(args.run, cache_dir=args.cache_dir, step=args.step)
+    bound = " (diffusion NELBO: upper bounds)" if _is_diffusion(args.run) else ""
     print(f"{args.run} step {step}: val loss {res.loss:.4f} nats/token, perplexity {res.perplexity:.3f}, "
-          f"bits/byte {res.bits_per_byte:.4f} ({res.n_targets:,} tokens, {res.n_bytes:,} bytes)")
+          f"bits/byte {res.bits_per_byte:.4f}{bound} ({res.n_targets:,} tokens, {res.n_bytes:,} bytes)")
     return 0
 
 
@@ -127,7 +143,8 @@ def cmd_generate(args) -> int:
 
     record = generate_from_run(args.run, args.prompt, max_new_tokens=args.max_new_tokens,
                                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                               beam_width=args.beam, seed=args.seed, step=args.step)
+                               beam_width=args.beam, seed=args.seed, step=args.step,
+                               diffusion_steps=args.diffusion_steps, sampler=args.sampler)
     print(json.dumps(record, indent=2) if args.json else args.prompt + record["continuation"])
     return 0
 

@@ -21,6 +21,7 @@ _POSITIVE_INTS = ("vocab_size", "d_model", "n_layers", "max_seq_len")
 MIXER_KINDS = ("attn", "mamba")
 FFN_KINDS = ("swiglu", "moe", "none")
 ROUTERS = ("sigmoid", "softmax")
+OBJECTIVES = ("ar", "diffusion")  # TrainConfig.objective
 SSM_SCANS = ("fused", "associative")  # how the Mamba recurrence runs over a sequence (layers/mamba.py)
 _NEEDS = {"attn": ("n_heads", "n_kv_heads", "d_head"), "mamba": (), "swiglu": ("d_ff",),
           "moe": ("n_experts", "moe_top_k", "moe_d_ff"), "none": ()}
@@ -320,6 +321,8 @@ class TrainConfig(JsonConfig):
     ``batch_size`` is sequences per optimizer step, split into ``grad_accum`` micro-batches; the loss is
     token-averaged over the whole step (M20 §10). ``lr`` is the peak of ``optim.warmup_cosine``.
     ``eval_tokens`` caps the validation targets scored per evaluation (0 = the whole split).
+    ``objective`` "ar" (next-token cross-entropy, M20 §10) or "diffusion" (the masked-diffusion bound of
+    objectives/diffusion.py; the model must be bidirectional and the tokenizer must have ``<|mask|>``).
     """
 
     batch_size: int = 32
@@ -340,8 +343,12 @@ class TrainConfig(JsonConfig):
     log_interval: int = 10
     seed: int = 0
     compute_dtype: str = "float32"
+    objective: str = "ar"
 
     def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise ConfigError(f"TrainConfig.objective = {self.objective!r} is invalid: valid objectives are "
+                              f"{list(OBJECTIVES)}")
         for name in ("batch_size", "seq_len", "steps", "grad_accum", "eval_interval", "checkpoint_interval",
                      "keep_checkpoints", "log_interval"):
             _require_int(self, name, minimum=1)

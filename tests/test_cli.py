@@ -75,6 +75,7 @@ CASES = [
     (["train", "--steps", "0", "--out", "{ws}/new6"], r"TrainConfig.steps = 0 is invalid"),
     (["train", "--compute-dtype", "float16"], r"invalid choice: 'float16'"),
     (["train", "--bogus"], r"unrecognized arguments: --bogus"),
+    (["train", "--objective", "mlm"], r"invalid choice: 'mlm'"),
     (["eval", "--run", "{ws}/empty"], r"is not a run directory"),
     (["generate", "--run", "{ws}/run", "--prompt", "x", "--temperature", "0"], r"temperature"),
     (["generate", "--run", "{ws}/run", "--prompt", "x", "--max-new-tokens", "100"], r"max_seq_len|too long"),

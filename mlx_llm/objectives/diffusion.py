@@ -88,16 +88,16 @@ def sample_times(key, batch: int, *, antithetic: bool = True) -> jax.Array:
     t_b = 1 − ((u + b/B) mod 1) with one u ∼ U[0, 1): each t_b is still U(0, 1] (so the estimate stays unbiased)
     but the batch covers (0, 1] evenly, which lowers the variance of the batch mean (MDLM §3.5)."""
     if antithetic:
-        u = jax.random.uniform(key, ())
-        return 1.0 - jnp.mod(u + jnp.arange(batch) / batch, 1.0)
-    return 1.0 - jax.random.uniform(key, (batch,))
+        u = jax.random.uniform(key, (), jnp.float32)
+        return 1.0 - jnp.mod(u + jnp.arange(batch, dtype=jnp.float32) / batch, 1.0)
+    return 1.0 - jax.random.uniform(key, (batch,), jnp.float32)
 
 
 def corrupt(key, tokens_BT, t_B, mask_id: int, maskable_BT=None):
     """z_t: each maskable token replaced by MASK independently with probability t_b (α_t = 1 − t).
     Returns (z (B, T), masked (B, T) bool)."""
-    u_BT = jax.random.uniform(key, tokens_BT.shape)
-    masked_BT = u_BT < t_B[:, None]
+    u_BT = jax.random.uniform(key, tokens_BT.shape, jnp.float32)  # float32 whatever jax_enable_x64 says
+    masked_BT = u_BT < t_B[:, None].astype(jnp.float32)
     if maskable_BT is not None:
         masked_BT = masked_BT & maskable_BT.astype(bool)
     return jnp.where(masked_BT, mask_id, tokens_BT), masked_BT

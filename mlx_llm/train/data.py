@@ -355,13 +355,15 @@ class ValSet:
     ``n_bytes`` is the UTF-8 byte count of the text whose tokens are scored: Σ over batches of
     ``byte_len[targets] · mask``, where ``byte_len`` gives each token's bytes and 0 for special tokens (so EOS
     and document separators add none). Covering the whole split it equals the UTF-8 size of the val documents.
-    Bits per byte = (Σ mask · NLL in nats) / (ln 2 · n_bytes).
+    Bits per byte = (Σ mask · NLL in nats) / (ln 2 · n_bytes). ``n_token_bytes`` counts the same way over the
+    windows' input tokens (``byte_len[tokens] · mask``): the text a masked-diffusion evaluation scores.
     """
 
     batches: list[dict[str, np.ndarray]]
     n_targets: int  # Σ mask
     n_bytes: int
     bytes_per_batch: list[int]
+    n_token_bytes: int = 0
 
 
 def val_windows(tokens: np.ndarray, seq_len: int, pad_id: int, max_tokens: int | None = None) -> np.ndarray:
@@ -406,7 +408,8 @@ class Corpus:
             batch = pack_windows(w_WT1[k : k + batch_size], self.tokenizer.bos_id, self.tokenizer.pad_id)
             batches.append(batch)
             per_batch.append(int((byte_len[batch["targets"]] * batch["mask"]).sum()))
-        return ValSet(batches, int(sum(b["mask"].sum() for b in batches)), sum(per_batch), per_batch)
+        token_bytes = sum(int((byte_len[b["tokens"]] * b["mask"]).sum()) for b in batches)
+        return ValSet(batches, int(sum(b["mask"].sum() for b in batches)), sum(per_batch), per_batch, token_bytes)
 
     def unigram_bits_per_byte(self) -> float:
         """The add-one unigram baseline on the whole val split (BOS never counted: it is never a target)."""

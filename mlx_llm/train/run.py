@@ -160,6 +160,7 @@ def flush(progress: Progress, metrics_path: Path, run_dir: Path, last_ckpt, cfg:
 
 def train_loop(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, corpus, *, resume: bool, show_progress: bool,
                log=print) -> dict:
+    mask_id = corpus.tokenizer.mask_id
     mesh = make_mesh()
     check_batch_divisible(tcfg.batch_size, tcfg.grad_accum, mesh)
     optimizer = optimizer_for(tcfg)
@@ -174,8 +175,8 @@ def train_loop(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, corpus, *, re
         raise CheckpointError(f"checkpoint {last_ckpt} is inconsistent: data cursor {int(state.data_step)} != step "
                               f"{int(state.step)}")
     truncate_metrics(metrics_path, int(state.step))
-    step_fn = jit_train_step(cfg, tcfg, mesh)
-    eval_step = make_eval_step(cfg, mesh)
+    step_fn = jit_train_step(cfg, tcfg, mesh, mask_id)
+    eval_step = make_eval_step(cfg, mesh, tcfg.objective, mask_id)
     val_set = corpus.val_batches(tcfg.seq_len, tcfg.batch_size, tcfg.eval_tokens or None)
     flops_per_token = train_flops_per_token(cfg, tcfg.seq_len)
     tokens_per_step = tcfg.batch_size * tcfg.seq_len
@@ -204,7 +205,7 @@ def train_loop(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, corpus, *, re
                             flops=f"{tok_s * flops_per_token / 1e9:.1f}G", **moe_postfix)
             bar.update(n_steps)
             if is_eval:
-                result = evaluate(eval_step, state.params, val_set, mesh)
+                result = evaluate(eval_step, state.params, val_set, mesh, tcfg.objective)
                 append_metrics(metrics_path, [{"step": done, **result.as_dict()}])
                 bar.write(f"step {done}: val loss {result.loss:.4f}, ppl {result.perplexity:.2f}, "
                           f"bits/byte {result.bits_per_byte:.4f}")
@@ -216,7 +217,7 @@ def train_loop(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, corpus, *, re
     ckpts.close()
     wall = time.perf_counter() - t_start
     if result is None:  # nothing left to train (resumed a finished run): evaluate the restored state
-        result = evaluate(eval_step, state.params, val_set, mesh)
+        result = evaluate(eval_step, state.params, val_set, mesh, tcfg.objective)
     steps_run = tcfg.steps - start
     summary = {"steps": tcfg.steps, "steps_this_session": steps_run, "wall_seconds": wall,
                "train_seconds": train_seconds,
@@ -232,26 +233,39 @@ def _progress_bar(show: bool, start: int, total: int):
 
 
 # ----- whole runs -------------------------------------------------------------------------------------------
-def read_text_and_tokenizer(run_dir: Path, spec: DataSpec, cache_dir=None):
+def read_text_and_tokenizer(run_dir: Path, spec: DataSpec, cache_dir=None, objective: str = "ar"):
     """(tokenizer, text corpus); the tokenizer is the run's own when it has one, else a new one in memory."""
     text = data_lib.read_corpus(spec.path, extensions=spec.extensions, val_percent=spec.val_percent)
-    tok = load_tokenizer(run_dir, spec, text)
+    tok = load_tokenizer(run_dir, spec, text, objective)
     return tok, text
 
 
-def load_tokenizer(run_dir: Path, spec: DataSpec, text_corpus) -> tok_lib.Tokenizer:
-    """The run's tokenizer.json if present, else a new one (BPE trained on the train split only)."""
+def load_tokenizer(run_dir: Path, spec: DataSpec, text_corpus, objective: str = "ar") -> tok_lib.Tokenizer:
+    """The run's tokenizer.json if present, else a new one (BPE trained on the train split only). A diffusion
+    run's tokenizer also has ``<|mask|>`` (``DIFFUSION_SPECIAL_TOKENS``); AR tokenizers keep their ids."""
+    specials = tok_lib.DIFFUSION_SPECIAL_TOKENS if objective == "diffusion" else tok_lib.SPECIAL_TOKENS
     if (run_dir / tok_lib.TOKENIZER_FILE).is_file():
-        return tok_lib.load(run_dir)
-    if spec.tokenizer == "byte":
-        return tok_lib.ByteTokenizer()
-    return tok_lib.train_bpe((d.text for d in text_corpus.train), spec.vocab_size)
+        tok = tok_lib.load(run_dir)
+    elif spec.tokenizer == "byte":
+        tok = tok_lib.ByteTokenizer(specials)
+    else:
+        tok = tok_lib.train_bpe((d.text for d in text_corpus.train), spec.vocab_size, special_tokens=specials)
+    if objective == "diffusion" and tok.mask_id is None:
+        raise ConfigError(f"the tokenizer of {run_dir} has no {tok_lib.MASK} token: the diffusion objective needs "
+                          f"one (the absorbing state); it is added only when a run starts with --objective diffusion")
+    return tok
 
 
 def finalize_config(cfg: ModelConfig, tok, tcfg: TrainConfig) -> ModelConfig:
-    """The model's vocabulary is the tokenizer's; the training length must fit the model."""
+    """The model's vocabulary is the tokenizer's; the training length must fit the model; the diffusion
+    objective trains a bidirectional denoiser (``causal`` set false), the AR objective needs a causal model."""
     if cfg.vocab_size != tok.vocab_size:
         cfg = dataclasses.replace(cfg, vocab_size=tok.vocab_size)
+    if tcfg.objective == "diffusion" and cfg.causal:
+        cfg = dataclasses.replace(cfg, causal=False)
+    if tcfg.objective == "ar" and not cfg.causal:
+        raise ConfigError("the model is bidirectional (causal = false): next-token training would let every "
+                          "position read its own target; use --objective diffusion, or causal = true")
     if tcfg.seq_len > cfg.max_seq_len:
         raise ConfigError(f"seq_len = {tcfg.seq_len} is longer than the model's max_seq_len = {cfg.max_seq_len}: "
                           f"lower --seq-len or raise max_seq_len in the model config")
@@ -270,7 +284,7 @@ def train_run(run_dir, cfg: ModelConfig | None, tcfg: TrainConfig | None, spec: 
     check_run_dir(run_dir, resume)
     if resume:
         cfg, tcfg, spec = check_same_run(run_dir, cfg, tcfg, spec)
-    tok, text = read_text_and_tokenizer(run_dir, spec, cache_dir)
+    tok, text = read_text_and_tokenizer(run_dir, spec, cache_dir, tcfg.objective)
     cfg = finalize_config(cfg, tok, tcfg)
     check_batch_divisible(tcfg.batch_size, tcfg.grad_accum, make_mesh())
     corpus = data_lib.encode_corpus(text, tok, cache_dir)
@@ -286,7 +300,8 @@ def train_run(run_dir, cfg: ModelConfig | None, tcfg: TrainConfig | None, spec: 
     out = train_loop(run_dir, cfg, tcfg, corpus, resume=resume, show_progress=show_progress, log=log)
     summary = {**out["summary"], "unigram_val_bpb": corpus.unigram_bits_per_byte()}
     plot_losses(run_dir / METRICS_FILE, run_dir / PLOT_FILE)
-    text = closing_sample(out["state"].params, cfg, tok, sample_prompt, sample_tokens, seed=tcfg.seed)
+    text = closing_sample(out["state"].params, cfg, tok, sample_prompt, sample_tokens, seed=tcfg.seed,
+                          objective=tcfg.objective)
     (run_dir / SAMPLE_FILE).write_text(text, encoding="utf-8")
     summary["sample"] = text
     (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
@@ -298,13 +313,14 @@ def evaluate_run(run_dir, *, cache_dir=None, step: int | None = None) -> tuple[i
     run_dir = Path(run_dir)
     cfg, tcfg, info = read_run_files(run_dir)
     spec = DataSpec.from_dict(info["data"])
-    tok, text = read_text_and_tokenizer(run_dir, spec, cache_dir)
+    tok, text = read_text_and_tokenizer(run_dir, spec, cache_dir, tcfg.objective)
     corpus = data_lib.encode_corpus(text, tok, cache_dir)
     mesh = make_mesh()
     params = load_params(run_dir, cfg, tcfg, step)
     val_set = corpus.val_batches(tcfg.seq_len, tcfg.batch_size, None)
     ckpt_step = Checkpoints(run_dir).latest_step() if step is None else step
-    return ckpt_step, evaluate(make_eval_step(cfg, mesh), params, val_set, mesh)
+    eval_step = make_eval_step(cfg, mesh, tcfg.objective, tok.mask_id)
+    return ckpt_step, evaluate(eval_step, params, val_set, mesh, tcfg.objective)
 
 
 def load_params(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, step: int | None = None):
@@ -320,30 +336,62 @@ def load_params(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, step: int | 
         ckpts.close()
 
 
+DIFFUSION_SAMPLE_STEPS = 64  # denoising steps of a diffusion run's closing sample
+
+
 def closing_sample(params, cfg: ModelConfig, tok, prompt: str, max_new_tokens: int, *, seed: int = 0,
-                   temperature: float = 0.8, top_p: float = 0.95) -> str:
-    """The prompt and a sampled continuation from the cached decoder (stops at EOS or the length limit)."""
+                   temperature: float = 0.8, top_p: float = 0.95, objective: str = "ar") -> str:
+    """The prompt and a sampled continuation from the cached decoder (stops at EOS or the length limit); for a
+    diffusion run, ``max_new_tokens`` positions from the ancestral sampler (64 steps, cut at the first EOS)."""
     from mlx_llm.decode.generate import generate
 
     ids = np.concatenate([[tok.bos_id], tok.encode(prompt)]).astype(np.int32)[None]
     n_new = max(1, min(max_new_tokens, cfg.max_seq_len - ids.shape[1]))
+    if objective == "diffusion":
+        from mlx_llm.decode.diffusion import sample
+
+        out = np.asarray(sample(params, cfg, ids, n_new, steps=DIFFUSION_SAMPLE_STEPS, mask_id=tok.mask_id,
+                                temperature=temperature, seed=seed))[0, ids.shape[1]:]
+        return prompt + tok.decode(_until_eos(out, tok.eos_id), skip_special=True)
     out = generate(params, cfg, ids, n_new, temperature=temperature, top_p=top_p, eos_id=tok.eos_id,
                    pad_id=tok.pad_id, seed=seed)
     new = np.asarray(out.tokens[0])[: int(out.lengths[0])]
     return prompt + tok.decode(new, skip_special=True)
 
 
+def _until_eos(ids, eos_id: int):
+    hits = np.flatnonzero(ids == eos_id)
+    return ids[: hits[0]] if hits.size else ids
+
+
 def generate_from_run(run_dir, prompt: str, *, max_new_tokens: int, temperature=None, top_k=None, top_p=None,
-                      beam_width=None, seed: int = 0, step: int | None = None) -> dict:
-    """Continue ``prompt`` with a run's checkpoint; the record holds everything needed to reproduce it (M20 §13)."""
+                      beam_width=None, seed: int = 0, step: int | None = None, diffusion_steps: int = 64,
+                      sampler: str = "ancestral") -> dict:
+    """Continue ``prompt`` with a run's checkpoint; the record holds everything needed to reproduce it (M20 §13).
+    A diffusion run is sampled with ``decode.diffusion.sample`` (``sampler``, ``diffusion_steps`` steps,
+    ``max_new_tokens`` generated positions, cut at the first EOS); the AR settings top-k/top-p/beam do not apply."""
     from mlx_llm.decode.generate import generate
 
     run_dir = Path(run_dir)
     cfg, tcfg, _ = read_run_files(run_dir)
     tok = tok_lib.load(run_dir)
     ckpt_step = Checkpoints(run_dir).latest_step() if step is None else step
-    params = load_params(run_dir, cfg, tcfg, ckpt_step)
     ids = np.concatenate([[tok.bos_id], tok.encode(prompt)]).astype(np.int32)
+    if tcfg.objective == "diffusion":
+        if top_k is not None or top_p is not None or beam_width is not None:
+            raise ConfigError("--top-k, --top-p and --beam are autoregressive settings: a diffusion run takes "
+                              "--temperature, --diffusion-steps and --sampler")
+        from mlx_llm.decode.diffusion import sample
+
+        params = load_params(run_dir, cfg, tcfg, ckpt_step)
+        out = np.asarray(sample(params, cfg, ids[None], max_new_tokens, steps=diffusion_steps, mask_id=tok.mask_id,
+                                sampler=sampler, temperature=temperature, seed=seed))[0, ids.size:]
+        new = _until_eos(out, tok.eos_id)
+        return {"run": str(run_dir), "checkpoint_step": ckpt_step, "prompt": prompt, "prompt_ids": ids.tolist(),
+                "settings": {"max_new_tokens": max_new_tokens, "temperature": temperature, "sampler": sampler,
+                             "diffusion_steps": diffusion_steps, "eos_id": tok.eos_id},
+                "seed": seed, "continuation_ids": new.tolist(), "continuation": tok.decode(new, skip_special=True)}
+    params = load_params(run_dir, cfg, tcfg, ckpt_step)
     out = generate(params, cfg, ids[None], max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                    beam_width=beam_width, eos_id=tok.eos_id, pad_id=tok.pad_id, seed=seed)
     new = np.asarray(out.tokens[0])[: int(out.lengths[0])]

@@ -20,6 +20,7 @@ import numpy as np
 import optax
 
 from mlx_llm.config import ModelConfig, TrainConfig
+from mlx_llm.objectives import diffusion
 from mlx_llm.objectives.loss import token_nll
 from mlx_llm.model import hidden_states, init_params, logits_from_hidden
 from mlx_llm.layers.moe import apply_offset_rule, zero_load
@@ -77,37 +78,63 @@ def summed_loss_and_aux(params, batch, cfg: ModelConfig, compute_dtype):
     return jnp.sum(b_BT * nll_BT), (jnp.sum(b_BT), aux)
 
 
+def summed_nelbo_and_aux(params, batch, key, cfg: ModelConfig, compute_dtype, mask_id: int):
+    """The masked-diffusion counterpart (objectives/diffusion.py): (Σ_b NELBO_b, (Σ maskable tokens, aux)) of
+    one (micro-)batch, with t and the masks drawn from ``key``. The window's tokens are x; ``batch["mask"]``
+    marks the maskable (real) ones; segment ids keep the bidirectional attention inside each document."""
+    p = cast_params(params, compute_dtype)
+    x_BT, maskable_BT = batch["tokens"], batch["mask"]
+    z_BT, masked_BT, t_B = diffusion.corrupt_batch(key, x_BT, mask_id, maskable_BT)
+    h_BTD, aux = hidden_states(p, z_BT, cfg, positions_BT=batch["positions"], segment_ids_BT=batch["segment_ids"],
+                               return_aux=True)
+    nelbo_B = diffusion.nelbo_from_logits(logits_from_hidden(h_BTD, p, cfg), x_BT, masked_BT, t_B, mask_id)
+    return jnp.sum(nelbo_B), (jnp.sum(maskable_BT.astype(nelbo_B.dtype)), aux)
+
+
+def objective_fn(cfg: ModelConfig, tcfg: TrainConfig, compute_dtype, mask_id):
+    """(params, micro-batch, key) → (summed loss, (count, aux)) for ``tcfg.objective``; the AR loss ignores key."""
+    if tcfg.objective == "diffusion":
+        diffusion.check_mask_id(mask_id, cfg.vocab_size)
+        return lambda p, mb, key: summed_nelbo_and_aux(p, mb, key, cfg, compute_dtype, mask_id)
+    return lambda p, mb, key: summed_loss_and_aux(p, mb, cfg, compute_dtype)
+
+
 def summed_loss(params, batch, cfg: ModelConfig, compute_dtype) -> tuple[jax.Array, jax.Array]:
     """(Σ_t b_t · −log p(x_t | x_<t), Σ_t b_t) of one (micro-)batch."""
     loss_sum, (n, _) = summed_loss_and_aux(params, batch, cfg, compute_dtype)
     return loss_sum, n
 
 
-def make_train_step(cfg: ModelConfig, tcfg: TrainConfig, optimizer: optax.GradientTransformation) -> Callable:
+def make_train_step(cfg: ModelConfig, tcfg: TrainConfig, optimizer: optax.GradientTransformation,
+                    mask_id: int | None = None) -> Callable:
     """(state, batch) → (state, metrics); not jitted here (see ``jit_train_step``).
 
     After the optimizer step the MoE balancing offsets follow M20 §15's control rule, with the expert loads
-    counted over the whole global batch of the step (every device, every micro-batch).
+    counted over the whole global batch of the step (every device, every micro-batch). The diffusion objective
+    draws its noise from the state's key folded with the step and the micro-batch index, so a resumed run
+    draws exactly what the uninterrupted one would have.
     """
     dtype = jnp.dtype(tcfg.compute_dtype)
-    grad_fn = jax.value_and_grad(lambda p, mb: summed_loss_and_aux(p, mb, cfg, dtype), has_aux=True)
+    grad_fn = jax.value_and_grad(objective_fn(cfg, tcfg, dtype, mask_id), has_aux=True)
     schedule = schedule_for(tcfg)
 
-    def accumulate(params, batch):
+    def accumulate(params, batch, key):
         if tcfg.grad_accum == 1:
-            (loss_sum, (n, load)), grads = grad_fn(params, batch)
+            (loss_sum, (n, load)), grads = grad_fn(params, batch, jax.random.fold_in(key, 0))
             return loss_sum, n, load, grads
         micro = jax.tree.map(lambda a: a.reshape(tcfg.grad_accum, -1, *a.shape[1:]), batch)
 
-        def body(carry, mb):
-            (loss_sum, (n, load)), grads = grad_fn(params, mb)
+        def body(carry, xs):
+            mb, i = xs
+            (loss_sum, (n, load)), grads = grad_fn(params, mb, jax.random.fold_in(key, i))
             return jax.tree.map(jnp.add, carry, (loss_sum, n, load, grads)), None
 
         zeros = (jnp.zeros(()), jnp.zeros(()), zero_load(params["blocks"]), jax.tree.map(jnp.zeros_like, params))
-        return jax.lax.scan(body, zeros, micro)[0]
+        return jax.lax.scan(body, zeros, (micro, jnp.arange(tcfg.grad_accum)))[0]
 
     def train_step(state: TrainState, batch):
-        loss_sum, n, load, grads = accumulate(state.params, batch)
+        key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+        loss_sum, n, load, grads = accumulate(state.params, batch, key)
         grads = jax.tree.map(lambda g: g / n, grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -122,21 +149,33 @@ def make_train_step(cfg: ModelConfig, tcfg: TrainConfig, optimizer: optax.Gradie
 
 
 @functools.lru_cache(maxsize=8)
-def jit_train_step(cfg: ModelConfig, tcfg: TrainConfig, mesh) -> Callable:
+def jit_train_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, mask_id: int | None = None) -> Callable:
     """The jitted step: state replicated and donated, batch split over the mesh's batch axes.
 
     Cached on the (hashable) configs and mesh, so a resumed or repeated run in one process compiles once.
     """
     state_sh, batch_sh = replicated(mesh), batch_sharding(mesh)
-    return jax.jit(make_train_step(cfg, tcfg, optimizer_for(tcfg)), in_shardings=(state_sh, batch_sh),
+    return jax.jit(make_train_step(cfg, tcfg, optimizer_for(tcfg), mask_id), in_shardings=(state_sh, batch_sh),
                    out_shardings=(state_sh, replicated(mesh)), donate_argnums=0)
 
 
+EVAL_SEED = 1234  # the diffusion bound's noise at evaluation: fixed, so every evaluation scores the same draws
+
+
 @functools.lru_cache(maxsize=8)
-def make_eval_step(cfg: ModelConfig, mesh) -> Callable:
-    """batch → (Σ b·NLL, Σ b) in float32, jitted with the batch sharded like training batches."""
-    return jax.jit(lambda params, batch: summed_loss(params, batch, cfg, jnp.float32),
-                   in_shardings=(replicated(mesh), batch_sharding(mesh)), out_shardings=replicated(mesh))
+def make_eval_step(cfg: ModelConfig, mesh, objective: str = "ar", mask_id: int | None = None) -> Callable:
+    """(params, batch, index) → (Σ loss, Σ count) in float32, jitted with the batch sharded like training
+    batches: Σ b·NLL over targets (AR), or Σ NELBO over maskable tokens (diffusion; batch ``index`` picks the
+    fixed noise draw ``fold_in(key(EVAL_SEED), index)``)."""
+    tcfg = TrainConfig(objective=objective)
+    fn = objective_fn(cfg, tcfg, jnp.float32, mask_id)
+
+    def step(params, batch, index):
+        loss_sum, (n, _) = fn(params, batch, jax.random.fold_in(jax.random.key(EVAL_SEED), index))
+        return loss_sum, n
+
+    return jax.jit(step, in_shardings=(replicated(mesh), batch_sharding(mesh), replicated(mesh)),
+                   out_shardings=replicated(mesh))
 
 
 def device_batch(batch: dict, mesh) -> dict:
@@ -157,10 +196,14 @@ class EvalResult:
                 "val_targets": self.n_targets, "val_bytes": self.n_bytes}
 
 
-def evaluate(eval_step: Callable, params, val_set, mesh) -> EvalResult:
-    """Validation loss, perplexity and bits per byte (total NLL in bits ÷ UTF-8 bytes of the scored text)."""
-    totals = [eval_step(params, device_batch(b, mesh)) for b in val_set.batches]
+def evaluate(eval_step: Callable, params, val_set, mesh, objective: str = "ar") -> EvalResult:
+    """Validation loss, perplexity and bits per byte (total NLL in bits ÷ UTF-8 bytes of the scored text).
+
+    For the diffusion objective the loss is the NELBO (an upper bound on the NLL, so perplexity and bits per
+    byte are upper bounds too) and the scored text is the windows' tokens, each val token once."""
+    totals = [eval_step(params, device_batch(b, mesh), np.int32(i)) for i, b in enumerate(val_set.batches)]
     nll = float(sum(float(s) for s, _ in totals))
     n = float(sum(float(c) for _, c in totals))
     loss = nll / n
-    return EvalResult(loss, math.exp(loss), nll / (math.log(2.0) * val_set.n_bytes), int(n), int(val_set.n_bytes))
+    n_bytes = val_set.n_token_bytes if objective == "diffusion" else val_set.n_bytes
+    return EvalResult(loss, math.exp(loss), nll / (math.log(2.0) * n_bytes), int(n), int(n_bytes))
