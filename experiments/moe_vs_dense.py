@@ -35,10 +35,11 @@ from mlx_llm.train.step import device_batch, init_state, jit_train_step, optimiz
 CONFIGS = Path(__file__).parent / "configs"
 
 
-def seconds_per_step(cfg: ModelConfig, tcfg, rounds: int = 6) -> float:
-    """Median wall time of one jitted train step on random tokens (compiled first)."""
+def seconds_per_step(cfg: ModelConfig, tcfg, rounds: int = 6, mask_id: int | None = None) -> float:
+    """Median wall time of one jitted train step on random tokens (compiled first); ``mask_id`` for the
+    diffusion objective."""
     mesh = make_mesh()
-    step = jit_train_step(cfg, tcfg, mesh)
+    step = jit_train_step(cfg, tcfg, mesh, mask_id)
     state = init_state(cfg, tcfg, optimizer_for(tcfg))
     rng = np.random.default_rng(0)
     b, t = tcfg.batch_size, tcfg.seq_len

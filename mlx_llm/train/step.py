@@ -129,7 +129,7 @@ def make_train_step(cfg: ModelConfig, tcfg: TrainConfig, optimizer: optax.Gradie
             (loss_sum, (n, load)), grads = grad_fn(params, mb, jax.random.fold_in(key, i))
             return jax.tree.map(jnp.add, carry, (loss_sum, n, load, grads)), None
 
-        zeros = (jnp.zeros(()), jnp.zeros(()), zero_load(params["blocks"]), jax.tree.map(jnp.zeros_like, params))
+        zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zero_load(params["blocks"]), jax.tree.map(jnp.zeros_like, params))
         return jax.lax.scan(body, zeros, (micro, jnp.arange(tcfg.grad_accum)))[0]
 
     def train_step(state: TrainState, batch):
