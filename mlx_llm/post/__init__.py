@@ -1,0 +1,1 @@
+"""Post-training: chat format, LoRA adapters and built-in fine-tuning tasks."""
