@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from mlx_llm.config import COMPUTE_DTYPES, OBJECTIVES, ModelConfig, TrainConfig
+from mlx_llm.post.tasks import TASKS
 from mlx_llm.errors import MLXLLMError
 
 # The main job: under 5 minutes on 2 CPU cores, ≤ 1.8 bits per byte on held-out stdlib files (README, "Main
@@ -64,6 +65,38 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--run", type=Path, required=True)
     ev.add_argument("--step", type=int, help="checkpoint step (default: latest)")
     ev.add_argument("--cache-dir", type=Path)
+
+    sf = sub.add_parser("sft", help="fine-tune a pretrained run on conversations (full or LoRA)")
+    sf.add_argument("--base", type=Path, help="the pretrained run directory")
+    data = sf.add_mutually_exclusive_group()
+    data.add_argument("--data", type=Path, help="conversations, JSONL ({\"messages\": [...]} per line)")
+    data.add_argument("--task", choices=TASKS, help="a built-in task (mlx_llm.post.tasks)")
+    sf.add_argument("--out", type=Path, required=True)
+    sf.add_argument("--resume", action="store_true")
+    sf.add_argument("--train-examples", type=int, help="cap on the task's train examples")
+    sf.add_argument("--eval-examples", type=int, default=200, help="held-out task examples scored at the end")
+    sf.add_argument("--lora-rank", type=int, help="train rank-R adapters instead of every weight")
+    sf.add_argument("--lora-alpha", type=float, default=16.0)
+    sf.add_argument("--lora-targets", default="wq,wv", help="comma-separated weight keys (default %(default)s)")
+    sf.add_argument("--no-progress", action="store_true")
+    for flag, typ in TRAIN_FLAGS.items():
+        if flag not in ("objective", "compute_dtype"):
+            sf.add_argument("--" + flag.replace("_", "-"), type=typ, dest=flag)
+
+    et = sub.add_parser("eval-task", help="held-out exact match of a run on a built-in task")
+    et.add_argument("--run", type=Path, required=True)
+    et.add_argument("--task", choices=TASKS, required=True)
+    et.add_argument("--examples", type=int, help="how many held-out examples (default: all)")
+
+    ch = sub.add_parser("chat", help="a terminal chat with a run, over the chat template")
+    ch.add_argument("--run", type=Path, required=True)
+    ch.add_argument("--max-new-tokens", type=int, default=128)
+    ch.add_argument("--temperature", type=float, help="omit for greedy decoding")
+    ch.add_argument("--system", help="a system message")
+
+    mg = sub.add_parser("export-merged", help="write a plain run with a LoRA run's adapters folded in")
+    mg.add_argument("--run", type=Path, required=True)
+    mg.add_argument("--out", type=Path, required=True)
 
     ge = sub.add_parser("generate", help="continue a prompt with a trained run")
     ge.add_argument("--run", type=Path, required=True)
@@ -149,9 +182,100 @@ def cmd_generate(args) -> int:
     return 0
 
 
+SFT_TRAIN = TrainConfig(batch_size=16, seq_len=128, steps=300, lr=1e-3, warmup_steps=20, eval_interval=100,
+                        checkpoint_interval=100, weight_decay=0.0)
+
+
+def cmd_sft(args) -> int:
+    from mlx_llm.post.lora import LoRAConfig
+    from mlx_llm.post.sft import sft_run
+
+    show = not args.no_progress
+    if args.resume:
+        given = (args.base, args.data, args.task, args.train_examples, args.lora_rank) + tuple(
+            getattr(args, k) for k in TRAIN_FLAGS if k not in ("objective", "compute_dtype"))
+        if any(v is not None for v in given):
+            raise MLXLLMError("--resume continues a run exactly as it was configured: give only --out")
+        summary = sft_run(args.out, resume=True, show_progress=show, eval_examples=args.eval_examples)
+    else:
+        if args.base is None or (args.data is None and args.task is None):
+            raise MLXLLMError("sft needs --base RUN and one of --data FILE.jsonl / --task NAME")
+        overrides = {k: getattr(args, k) for k in TRAIN_FLAGS if getattr(args, k, None) is not None}
+        tcfg = TrainConfig(**{**SFT_TRAIN.to_dict(), **overrides})
+        lora_cfg = None if args.lora_rank is None else LoRAConfig(
+            rank=args.lora_rank, alpha=args.lora_alpha, targets=tuple(t for t in args.lora_targets.split(",") if t))
+        summary = sft_run(args.out, args.base, tcfg=tcfg, data=args.data, task=args.task, lora_cfg=lora_cfg,
+                          n_train=args.train_examples, eval_examples=args.eval_examples, show_progress=show)
+    print(f"run: {args.out}; trainable parameters {summary['trainable_params']:,}; val loss (response tokens) "
+          f"{summary['val_loss']:.4f}")
+    if "heldout_accuracy" in summary:
+        before = summary.get("base_heldout_accuracy")
+        print(f"held-out exact match {summary['heldout_accuracy']:.1%} of {summary['heldout_examples']}"
+              + ("" if before is None else f" (base: {before:.1%})"))
+    return 0
+
+
+def cmd_eval_task(args) -> int:
+    from mlx_llm.post.chat import ChatTemplate
+    from mlx_llm.post.sft import eval_task
+    from mlx_llm.train import tokenizer as tok_lib
+    from mlx_llm.train.checkpoint import read_run_files
+    from mlx_llm.train.run import load_params
+
+    cfg, tcfg, info = read_run_files(args.run)
+    template = ChatTemplate.from_dict(info["sft"]["template"]) if "sft" in info else ChatTemplate()
+    res = eval_task(load_params(args.run, cfg, tcfg), cfg, tok_lib.load(args.run), args.task, template,
+                    n=args.examples)
+    print(f"{args.run} on {args.task}: held-out exact match {res['accuracy']:.1%} ({res['correct']} of {res['n']})")
+    return 0
+
+
+def cmd_chat(args) -> int:
+    import numpy as np
+
+    from mlx_llm.decode.generate import generate
+    from mlx_llm.post.chat import ChatTemplate
+    from mlx_llm.train import tokenizer as tok_lib
+    from mlx_llm.train.checkpoint import read_run_files
+    from mlx_llm.train.run import load_params
+
+    cfg, tcfg, info = read_run_files(args.run)
+    template = ChatTemplate.from_dict(info["sft"]["template"]) if "sft" in info else ChatTemplate()
+    tok, params = tok_lib.load(args.run), load_params(args.run, cfg, tcfg)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print("chat with", args.run, "(an empty line or Ctrl-D ends)")
+    while True:
+        try:
+            line = input("you> ").strip()
+        except EOFError:
+            return 0
+        if not line:
+            return 0
+        messages.append({"role": "user", "content": line})
+        ids, _ = template.encode(messages, tok, generation_prompt=True)
+        n_new = min(args.max_new_tokens, cfg.max_seq_len - len(ids))
+        if n_new < 1:
+            print("(the conversation has reached the model's max_seq_len; start a new one)")
+            return 0
+        out = generate(params, cfg, ids[None], n_new, temperature=args.temperature,
+                       eos_id=tok.token_id(template.end), pad_id=tok.pad_id)
+        reply = np.asarray(out.tokens[0])[: int(out.lengths[0])]
+        text = tok.decode(reply, skip_special=True)
+        print("model>", text)
+        messages.append({"role": "assistant", "content": text if text.strip() else "…"})
+
+
+def cmd_export_merged(args) -> int:
+    from mlx_llm.post.sft import merge_run
+
+    print(f"wrote {merge_run(args.run, args.out)}")
+    return 0
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    command = {"train": cmd_train, "eval": cmd_eval, "generate": cmd_generate}[args.command]
+    command = {"train": cmd_train, "eval": cmd_eval, "generate": cmd_generate, "sft": cmd_sft,
+               "eval-task": cmd_eval_task, "chat": cmd_chat, "export-merged": cmd_export_merged}[args.command]
     try:
         return command(args)
     except MLXLLMError as exc:

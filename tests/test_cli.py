@@ -12,10 +12,10 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-def cli(*args, env_extra=None, timeout=600):
+def cli(*args, env_extra=None, timeout=600, stdin=None):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env_extra or {})}
     return subprocess.run([sys.executable, "-m", "mlx_llm", *map(str, args)], capture_output=True, text=True,
-                          env=env, timeout=timeout, cwd=REPO)
+                          env=env, timeout=timeout, cwd=REPO, input=stdin)
 
 
 def snapshot(root: Path) -> dict:
@@ -76,6 +76,26 @@ CASES = [
     (["train", "--compute-dtype", "float16"], r"invalid choice: 'float16'"),
     (["train", "--bogus"], r"unrecognized arguments: --bogus"),
     (["train", "--objective", "mlm"], r"invalid choice: 'mlm'"),
+    (["sft", "--task", "arithmetic", "--out", "{ws}/sft0"], r"sft needs --base RUN and one of --data"),
+    (["sft", "--base", "{ws}/empty", "--task", "arithmetic", "--out", "{ws}/sft1"], r"is not a run directory"),
+    (["sft", "--base", "{ws}/run", "--task", "arithmetic", "--data", "{ws}/bad.json", "--out", "{ws}/sft2"],
+     r"argument --data: not allowed with argument --task"),
+    (["sft", "--base", "{ws}/run", "--task", "poetry", "--out", "{ws}/sft3"], r"invalid choice: 'poetry'"),
+    (["sft", "--base", "{ws}/run", "--data", "{ws}/bad.json", "--out", "{ws}/sft4", "--seq-len", "32"],
+     r"bad.json:1: not JSON"),
+    (["sft", "--base", "{ws}/run", "--task", "addition2", "--out", "{ws}/sft5", "--seq-len", "32", "--lora-rank", "0"],
+     r"LoRA rank = 0 is invalid"),
+    (["sft", "--base", "{ws}/run", "--task", "addition2", "--out", "{ws}/sft6", "--seq-len", "32", "--lora-rank", "2",
+      "--lora-targets", "wq,embed"], r"LoRA targets \['wq', 'embed'\] are invalid"),
+    (["sft", "--base", "{ws}/run", "--task", "addition2", "--out", "{ws}/sft7"],
+     r"seq_len = 128 is longer than the base model's max_seq_len = 32"),
+    (["sft", "--base", "{ws}/run", "--task", "addition2", "--out", "{ws}/run", "--seq-len", "32"],
+     r"already holds a run; pass --resume"),
+    (["sft", "--resume", "--task", "addition2", "--out", "{ws}/run"], r"--resume continues a run exactly"),
+    (["sft", "--base", "{ws}/run", "--task", "name_function", "--out", "{ws}/sft8", "--seq-len", "32"],
+     r"name_function conversation\(s\) are longer than seq_len \+ 1 = 33 tokens; nothing is truncated"),
+    (["eval-task", "--run", "{ws}/empty", "--task", "arithmetic"], r"is not a run directory"),
+    (["export-merged", "--run", "{ws}/run", "--out", "{ws}/merged"], r"is not a fine-tuning run"),
     (["eval", "--run", "{ws}/empty"], r"is not a run directory"),
     (["generate", "--run", "{ws}/run", "--prompt", "x", "--temperature", "0"], r"temperature"),
     (["generate", "--run", "{ws}/run", "--prompt", "x", "--max-new-tokens", "100"], r"max_seq_len|too long"),
@@ -134,3 +154,24 @@ def test_shipped_variant_configs_load():
         kinds[path.stem] = (set(cfg.mixer_pattern), set(cfg.ffn_pattern))
     assert kinds["mamba"] == ({"mamba"}, {"none"}) and kinds["hybrid"] == ({"mamba", "attn"}, {"none", "swiglu"})
     assert kinds["dense"] == ({"attn"}, {"swiglu"}) and "moe" in kinds["moe"][1]
+
+
+def test_sft_lora_eval_task_and_export_merged(workspace, tmp_path):
+    """`sft` with LoRA on a built-in task, then `eval-task` on it and `export-merged` to a plain run that
+    `generate` reads."""
+    proc = cli("sft", "--base", workspace / "run", "--task", "addition2", "--out", tmp_path / "sft", "--steps", 2,
+               "--warmup-steps", 1, "--batch-size", 2, "--seq-len", 32, "--eval-interval", 2, "--checkpoint-interval",
+               2, "--lora-rank", 2, "--train-examples", 50, "--eval-examples", 4, "--no-progress")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # rank 2 on wq (16 → 16) and wv (16 → 8) of the one layer: 2·(16 + 16) + 2·(16 + 8)
+    assert "trainable parameters 112" in proc.stdout and "held-out exact match" in proc.stdout
+    proc = cli("eval-task", "--run", tmp_path / "sft", "--task", "addition2", "--examples", 4)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "on addition2: held-out exact match" in proc.stdout and "of 4)" in proc.stdout
+    proc = cli("export-merged", "--run", tmp_path / "sft", "--out", tmp_path / "merged")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = cli("generate", "--run", tmp_path / "merged", "--prompt", "What", "--max-new-tokens", 3, "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = cli("chat", "--run", tmp_path / "sft", "--max-new-tokens", 4, stdin="What is 12 + 30?\n\n")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("model>") == 1

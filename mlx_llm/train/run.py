@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from mlx_llm.train import data as data_lib
+from mlx_llm.post import lora as lora_lib
 from mlx_llm.train import tokenizer as tok_lib
 from mlx_llm.scaling.accounting import train_flops_per_token
 from mlx_llm.train.checkpoint import (CONFIG_FILE, Checkpoints, abstract_like, read_run_files, write_run_files)
@@ -159,13 +160,17 @@ def flush(progress: Progress, metrics_path: Path, run_dir: Path, last_ckpt, cfg:
 
 
 def train_loop(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, corpus, *, resume: bool, show_progress: bool,
-               log=print) -> dict:
+               log=print, initial_params=None, frozen=None, lora_cfg=None) -> dict:
+    """The loop over ``corpus.train_batch`` (any object with ``train_batch``, ``val_batches`` and ``tokenizer``):
+    steps, metrics, evaluations, checkpoints. ``initial_params`` start a fine-tuning run (instead of a random
+    init); with ``lora_cfg`` they are the adapters and ``frozen`` is the base they adapt (never updated, never
+    checkpointed: the run records where it comes from)."""
     mask_id = corpus.tokenizer.mask_id
     mesh = make_mesh()
     check_batch_divisible(tcfg.batch_size, tcfg.grad_accum, mesh)
     optimizer = optimizer_for(tcfg)
     ckpts = Checkpoints(run_dir, tcfg.keep_checkpoints)
-    state = jax.device_put(init_state(cfg, tcfg, optimizer), replicated(mesh))
+    state = jax.device_put(init_state(cfg, tcfg, optimizer, initial_params), replicated(mesh))
     metrics_path = run_dir / METRICS_FILE
     last_ckpt = ckpts.latest_step()
     if resume and last_ckpt is not None:
@@ -175,8 +180,13 @@ def train_loop(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, corpus, *, re
         raise CheckpointError(f"checkpoint {last_ckpt} is inconsistent: data cursor {int(state.data_step)} != step "
                               f"{int(state.step)}")
     truncate_metrics(metrics_path, int(state.step))
-    step_fn = jit_train_step(cfg, tcfg, mesh, mask_id)
+    step_fn = jit_train_step(cfg, tcfg, mesh, mask_id, lora_cfg)
     eval_step = make_eval_step(cfg, mesh, tcfg.objective, mask_id)
+    extra = () if lora_cfg is None else (jax.device_put(frozen, replicated(mesh)),)
+
+    def model_params(state):
+        return state.params if lora_cfg is None else lora_lib.merge(extra[0], state.params, lora_cfg)
+
     val_set = corpus.val_batches(tcfg.seq_len, tcfg.batch_size, tcfg.eval_tokens or None)
     flops_per_token = train_flops_per_token(cfg, tcfg.seq_len)
     tokens_per_step = tcfg.batch_size * tcfg.seq_len
@@ -187,7 +197,7 @@ def train_loop(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, corpus, *, re
     for s in range(start, tcfg.steps):
         batch = corpus.train_batch(s, batch_size=tcfg.batch_size, seq_len=tcfg.seq_len, seed=tcfg.seed)
         check_tokens(batch["tokens"], cfg, "training batch tokens")
-        state, m = step_fn(state, device_batch(batch, mesh))
+        state, m = step_fn(state, device_batch(batch, mesh), *extra)
         progress.pending.append((s, m))
         done = s + 1
         is_eval = done % tcfg.eval_interval == 0 or done == tcfg.steps
@@ -205,7 +215,7 @@ def train_loop(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, corpus, *, re
                             flops=f"{tok_s * flops_per_token / 1e9:.1f}G", **moe_postfix)
             bar.update(n_steps)
             if is_eval:
-                result = evaluate(eval_step, state.params, val_set, mesh, tcfg.objective)
+                result = evaluate(eval_step, model_params(state), val_set, mesh, tcfg.objective)
                 append_metrics(metrics_path, [{"step": done, **result.as_dict()}])
                 bar.write(f"step {done}: val loss {result.loss:.4f}, ppl {result.perplexity:.2f}, "
                           f"bits/byte {result.bits_per_byte:.4f}")
@@ -217,13 +227,13 @@ def train_loop(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, corpus, *, re
     ckpts.close()
     wall = time.perf_counter() - t_start
     if result is None:  # nothing left to train (resumed a finished run): evaluate the restored state
-        result = evaluate(eval_step, state.params, val_set, mesh, tcfg.objective)
+        result = evaluate(eval_step, model_params(state), val_set, mesh, tcfg.objective)
     steps_run = tcfg.steps - start
     summary = {"steps": tcfg.steps, "steps_this_session": steps_run, "wall_seconds": wall,
                "train_seconds": train_seconds,
                "tokens_per_second": steps_run * tokens_per_step / train_seconds if train_seconds else None,
                "flops_per_token": flops_per_token, "devices": mesh.devices.size, **result.as_dict()}
-    return {"state": state, "summary": summary}
+    return {"state": state, "summary": summary, "params": model_params(state)}
 
 
 def _progress_bar(show: bool, start: int, total: int):
@@ -324,10 +334,21 @@ def evaluate_run(run_dir, *, cache_dir=None, step: int | None = None) -> tuple[i
 
 
 def load_params(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, step: int | None = None):
-    """The parameters of a run's checkpoint (latest by default), replicated on the local mesh."""
+    """The model parameters of a run's checkpoint (latest by default), replicated on the local mesh; for a LoRA
+    fine-tuning run, its base with the adapters folded in (post/sft.py)."""
+    info = read_run_files(Path(run_dir))[2]
+    if (info.get("sft") or {}).get("lora") is not None:
+        from mlx_llm.post.sft import load_sft_params
+
+        return load_sft_params(run_dir, step)
+    return restore_params(run_dir, cfg, tcfg, step)
+
+
+def restore_params(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, step: int | None = None, *, like=None):
+    """The trainable parameters stored in a run's checkpoint, shaped like ``like`` (default: the model's)."""
     mesh = make_mesh()
     optimizer = optimizer_for(tcfg)
-    abstract = jax.eval_shape(lambda: init_state(cfg, tcfg, optimizer))
+    abstract = jax.eval_shape(lambda: init_state(cfg, tcfg, optimizer, like))
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated(mesh)), abstract)
     ckpts = Checkpoints(run_dir)
     try:

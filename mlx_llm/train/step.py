@@ -53,9 +53,12 @@ def optimizer_for(tcfg: TrainConfig) -> optax.GradientTransformation:
                           clip_norm=tcfg.clip_norm)
 
 
-def init_state(cfg: ModelConfig, tcfg: TrainConfig, optimizer: optax.GradientTransformation) -> TrainState:
+def init_state(cfg: ModelConfig, tcfg: TrainConfig, optimizer: optax.GradientTransformation,
+               params=None) -> TrainState:
+    """A fresh state: random parameters (``init_params``), or the given trainable ``params`` (a pretrained
+    model for fine-tuning, LoRA adapters), with new optimizer moments."""
     init_key, rng = jax.random.split(jax.random.key(tcfg.seed))
-    params = init_params(cfg, init_key)
+    params = init_params(cfg, init_key) if params is None else params
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
                       rng=jax.random.key_data(rng), data_step=jnp.zeros((), jnp.int32))
 
@@ -106,39 +109,50 @@ def summed_loss(params, batch, cfg: ModelConfig, compute_dtype) -> tuple[jax.Arr
 
 
 def make_train_step(cfg: ModelConfig, tcfg: TrainConfig, optimizer: optax.GradientTransformation,
-                    mask_id: int | None = None) -> Callable:
+                    mask_id: int | None = None, lora_cfg=None) -> Callable:
     """(state, batch) → (state, metrics); not jitted here (see ``jit_train_step``).
 
     After the optimizer step the MoE balancing offsets follow M20 §15's control rule, with the expert loads
     counted over the whole global batch of the step (every device, every micro-batch). The diffusion objective
     draws its noise from the state's key folded with the step and the micro-batch index, so a resumed run
     draws exactly what the uninterrupted one would have.
+
+    With ``lora_cfg`` (post/lora.py) the state's params are the adapters and the step takes the frozen base as a
+    third argument: the loss is a function of the adapters alone (W = W₀ + (α/r)·A·B), so the base is never
+    differentiated and the optimizer sees only A and B. Otherwise the step is (state, batch).
     """
     dtype = jnp.dtype(tcfg.compute_dtype)
-    grad_fn = jax.value_and_grad(objective_fn(cfg, tcfg, dtype, mask_id), has_aux=True)
+    objective = objective_fn(cfg, tcfg, dtype, mask_id)
+    if lora_cfg is not None:
+        from mlx_llm.post import lora
+
+        inner = objective
+        objective = lambda adapters, mb, key, base: inner(lora.adapted(base, adapters, lora_cfg), mb, key)  # noqa: E731
+    grad_fn = jax.value_and_grad(objective, has_aux=True)
     schedule = schedule_for(tcfg)
 
-    def accumulate(params, batch, key):
+    def accumulate(params, batch, key, *frozen):
         if tcfg.grad_accum == 1:
-            (loss_sum, (n, load)), grads = grad_fn(params, batch, jax.random.fold_in(key, 0))
+            (loss_sum, (n, load)), grads = grad_fn(params, batch, jax.random.fold_in(key, 0), *frozen)
             return loss_sum, n, load, grads
         micro = jax.tree.map(lambda a: a.reshape(tcfg.grad_accum, -1, *a.shape[1:]), batch)
 
         def body(carry, xs):
             mb, i = xs
-            (loss_sum, (n, load)), grads = grad_fn(params, mb, jax.random.fold_in(key, i))
+            (loss_sum, (n, load)), grads = grad_fn(params, mb, jax.random.fold_in(key, i), *frozen)
             return jax.tree.map(jnp.add, carry, (loss_sum, n, load, grads)), None
 
-        zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zero_load(params["blocks"]), jax.tree.map(jnp.zeros_like, params))
+        load0 = zero_load((frozen[0] if frozen else params)["blocks"])
+        zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), load0, jax.tree.map(jnp.zeros_like, params))
         return jax.lax.scan(body, zeros, (micro, jnp.arange(tcfg.grad_accum)))[0]
 
-    def train_step(state: TrainState, batch):
+    def train_step(state: TrainState, batch, *frozen):
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-        loss_sum, n, load, grads = accumulate(state.params, batch, key)
+        loss_sum, n, load, grads = accumulate(state.params, batch, key, *frozen)
         grads = jax.tree.map(lambda g: g / n, grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        if "moe" in cfg.ffn_pattern:
+        if "moe" in cfg.ffn_pattern and lora_cfg is None:  # LoRA: the base's offsets stay frozen with it
             params = {**params, "blocks": apply_offset_rule(params["blocks"], load, cfg.offset_rate)}
         metrics = {"loss": loss_sum / n, "grad_norm": optax.tree.norm(strip_routing_state(grads)),
                    "lr": schedule(state.step), "targets": n, "expert_load": load}
@@ -149,13 +163,15 @@ def make_train_step(cfg: ModelConfig, tcfg: TrainConfig, optimizer: optax.Gradie
 
 
 @functools.lru_cache(maxsize=8)
-def jit_train_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, mask_id: int | None = None) -> Callable:
-    """The jitted step: state replicated and donated, batch split over the mesh's batch axes.
+def jit_train_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, mask_id: int | None = None, lora_cfg=None) -> Callable:
+    """The jitted step: state replicated and donated, batch split over the mesh's batch axes (and, for LoRA,
+    the frozen base replicated as a third argument).
 
     Cached on the (hashable) configs and mesh, so a resumed or repeated run in one process compiles once.
     """
     state_sh, batch_sh = replicated(mesh), batch_sharding(mesh)
-    return jax.jit(make_train_step(cfg, tcfg, optimizer_for(tcfg), mask_id), in_shardings=(state_sh, batch_sh),
+    shardings = (state_sh, batch_sh) + ((replicated(mesh),) if lora_cfg is not None else ())
+    return jax.jit(make_train_step(cfg, tcfg, optimizer_for(tcfg), mask_id, lora_cfg), in_shardings=shardings,
                    out_shardings=(state_sh, replicated(mesh)), donate_argnums=0)
 
 

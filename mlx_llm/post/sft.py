@@ -1,0 +1,284 @@
+"""Supervised fine-tuning on conversations: a pretrained run taught a task, full or LoRA (M20 §16, U19 §9–§10).
+
+``sft_run`` starts from a pretrained run's latest checkpoint and tokenizer and trains on chat data (a JSONL file
+of conversations, or a built-in task of ``post/tasks.py``) with the same jitted step, checkpoints, exact resume,
+metrics and progress as ``train``: the forward pass is untouched and only the loss mask changes (M20 §16:
+assistant content and end-of-turn markers are targets, everything else is context). Conversations are packed
+several per window (``pack``): each keeps its own segment id (attention never crosses conversations), its
+positions restart at 0, and its mask is its own.
+
+Full fine-tuning trains every parameter from the base's values (new optimizer moments). LoRA (``lora_cfg``)
+trains adapters beside the frozen base (post/lora.py): the run's checkpoints hold the adapters only, and
+``run.json`` records the base run and its checkpoint step, so ``load_sft_params`` rebuilds W₀ + (α/r)·A·B and
+``merge_run`` writes a plain run with the adapters folded in.
+
+``eval_task`` measures the skill: greedy decoding through the chat template on held-out prompts, scored by the
+task's exact checker (``tasks.check``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from mlx_llm.config import ModelConfig, TrainConfig
+from mlx_llm.errors import CheckpointError, ConfigError, DataError
+from mlx_llm.post import lora as lora_lib
+from mlx_llm.post import tasks as tasks_lib
+from mlx_llm.post.chat import ChatTemplate, read_conversations
+from mlx_llm.train import tokenizer as tok_lib
+from mlx_llm.train.checkpoint import Checkpoints, read_run_files, write_run_files
+from mlx_llm.train.data import ValSet, val_score
+
+REPLY_TOKENS = {"arithmetic": 8, "addition2": 8, "name_function": 40}  # new tokens eval_task allows per reply
+VAL_PERCENT = 5.0  # share of a data file's conversations held out (by a stable hash of their text)
+SUMMARY_FILE = "summary.json"
+
+
+# ----- data ---------------------------------------------------------------------------------------------------
+def pack(convs, seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
+    """Conversations (ids, target) packed greedily, in order, into rows of ``seq_len`` next-token positions:
+    tokens/targets/mask/segment_ids/positions (N, seq_len). Segment ids count conversations from 1 within a row
+    (0 = padding, mask 0), positions restart at 0 per conversation. A conversation never spans two rows."""
+    rows, row = [], []
+    for ids, target in convs:
+        n = len(ids) - 1
+        if n > seq_len:
+            raise DataError(f"a conversation of {len(ids)} tokens does not fit seq_len + 1 = {seq_len + 1}")
+        if sum(len(c[0]) - 1 for c in row) + n > seq_len:
+            rows.append(row)
+            row = []
+        row.append((ids, target))
+    if row:
+        rows.append(row)
+    out = {"tokens": np.full((len(rows), seq_len), pad_id, np.int32),
+           "targets": np.full((len(rows), seq_len), pad_id, np.int32),
+           "mask": np.zeros((len(rows), seq_len), np.float32),
+           "segment_ids": np.zeros((len(rows), seq_len), np.int32),
+           "positions": np.zeros((len(rows), seq_len), np.int32)}
+    for r, members in enumerate(rows):
+        col = 0
+        for k, (ids, target) in enumerate(members, start=1):
+            n = len(ids) - 1
+            out["tokens"][r, col:col + n] = ids[:-1]
+            out["targets"][r, col:col + n] = ids[1:]
+            out["mask"][r, col:col + n] = target[1:]
+            out["segment_ids"][r, col:col + n] = k
+            out["positions"][r, col:col + n] = np.arange(n)
+            col += n
+    return out
+
+
+@dataclasses.dataclass
+class SFTData:
+    """Packed train rows and held-out conversations, with the ``train_batch`` / ``val_batches`` / ``tokenizer``
+    interface of the training loop. Batch ``step`` is a function of (seed, step): an epoch's row order is a
+    permutation drawn from (seed, epoch)."""
+
+    train_rows: dict[str, np.ndarray]
+    val_convs: list
+    tokenizer: tok_lib.Tokenizer
+    heldout: list  # task examples (dicts) held out, for eval_task; [] for a data file
+
+    def train_batch(self, step: int, *, batch_size: int, seq_len: int, seed: int) -> dict[str, np.ndarray]:
+        n_rows = self.train_rows["tokens"].shape[0]
+        idx = []
+        for k in range(step * batch_size, (step + 1) * batch_size):
+            epoch, j = divmod(k, n_rows)
+            idx.append(np.random.default_rng([seed, epoch]).permutation(n_rows)[j])
+        return {name: a[np.asarray(idx)] for name, a in self.train_rows.items()}
+
+    def val_batches(self, seq_len: int, batch_size: int, max_tokens: int | None = None) -> ValSet:
+        rows = pack(self.val_convs, seq_len, self.tokenizer.pad_id)
+        n = -(-rows["tokens"].shape[0] // batch_size) * batch_size
+        rows = {k: np.concatenate([a, np.zeros((n - a.shape[0],) + a.shape[1:], a.dtype)]) for k, a in rows.items()}
+        byte_len = self.tokenizer.token_byte_lengths()
+        batches = [{k: a[i:i + batch_size] for k, a in rows.items()} for i in range(0, n, batch_size)]
+        per_batch = [int((byte_len[b["targets"]] * b["mask"]).sum()) for b in batches]
+        return ValSet(batches, int(rows["mask"].sum()), sum(per_batch), per_batch)
+
+
+def load_data(tok, template: ChatTemplate, seq_len: int, *, data=None, task=None, n_train=None, seed=0) -> SFTData:
+    """Conversations of a JSONL file (``VAL_PERCENT`` held out by a stable hash of their text) or of a task's
+    train/heldout splits, encoded and checked to fit ``seq_len`` + 1 ids, the train ones shuffled by ``seed``
+    and packed."""
+    if (data is None) == (task is None):
+        raise ConfigError("give exactly one of a data file (--data FILE.jsonl) and a task (--task NAME: "
+                          f"{list(tasks_lib.TASKS)})")
+    if task is not None:
+        train_ex = tasks_lib.examples(task, "train", n=n_train, seed=seed)
+        heldout = tasks_lib.examples(task, "heldout")
+        train = [template.encode(e["messages"], tok) for e in train_ex]
+        val = [template.encode(e["messages"], tok) for e in heldout]
+        too_long = sum(len(ids) > seq_len + 1 for ids, _ in train + val)
+        if too_long:
+            raise DataError(f"{too_long} {task} conversation(s) are longer than seq_len + 1 = {seq_len + 1} tokens; "
+                            f"nothing is truncated: raise --seq-len")
+    else:
+        convs = read_conversations(data, tok, template, seq_len + 1)
+        heldout = []
+        texts = [tok.decode(ids) for ids, _ in convs]
+        val = [c for c, t in zip(convs, texts) if val_score(t) < VAL_PERCENT]
+        train = [c for c, t in zip(convs, texts) if val_score(t) >= VAL_PERCENT]
+        if not train or not val:
+            raise DataError(f"{data}: {len(convs)} conversation(s) leave {len(train)} to train on and {len(val)} held "
+                            f"out ({VAL_PERCENT:g} % by a hash of the text): give more conversations")
+    order = np.random.default_rng(seed).permutation(len(train))
+    return SFTData(pack([train[i] for i in order], seq_len, tok.pad_id), val, tok, heldout)
+
+
+# ----- runs ---------------------------------------------------------------------------------------------------
+def load_base(base_run) -> tuple[ModelConfig, TrainConfig, dict, int]:
+    """(cfg, tcfg, params, checkpoint step) of a pretrained (next-token) run's latest checkpoint."""
+    from mlx_llm.train.run import load_params
+
+    base_run = Path(base_run)
+    cfg, tcfg, _ = read_run_files(base_run)
+    if tcfg.objective != "ar":
+        raise ConfigError(f"{base_run} was trained with objective {tcfg.objective!r}: chat fine-tuning starts from "
+                          f"a next-token (ar) run")
+    step = Checkpoints(base_run).latest_step()
+    if step is None:
+        raise CheckpointError(f"{base_run} has no checkpoint to fine-tune")
+    return cfg, tcfg, load_params(base_run, cfg, tcfg, step), step
+
+
+def sft_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, data=None, task=None,
+            lora_cfg: lora_lib.LoRAConfig | None = None, template: ChatTemplate = ChatTemplate(),
+            n_train: int | None = None, eval_examples: int | None = 200, resume: bool = False,
+            show_progress: bool = True, log=print) -> dict:
+    """Fine-tune ``base_run`` on ``data`` or ``task`` into ``run_dir`` (or resume it); returns the summary, with
+    the held-out task accuracy before (base) and after when a task is given. Everything is checked before the run
+    directory is created."""
+    from mlx_llm.train.run import check_run_dir, train_loop
+
+    run_dir = Path(run_dir)
+    check_run_dir(run_dir, resume)
+    if resume:
+        _, tcfg, info = read_run_files(run_dir)
+        sft = info["sft"]
+        base_run, data, task, n_train = sft["base"], sft["data"], sft["task"], sft["n_train"]
+        lora_cfg = None if sft["lora"] is None else lora_lib.LoRAConfig(**sft["lora"])
+        template = ChatTemplate.from_dict(sft["template"])
+    cfg, _, base_params, base_step = load_base(base_run)
+    if resume and base_step != info["sft"]["base_step"]:
+        raise CheckpointError(f"{base_run} now ends at checkpoint {base_step}, not {info['sft']['base_step']} as "
+                              f"when this run started: its base changed")
+    if tcfg.objective != "ar":
+        raise ConfigError("chat fine-tuning trains next-token predictions: objective must be 'ar'")
+    if tcfg.seq_len > cfg.max_seq_len:
+        raise ConfigError(f"seq_len = {tcfg.seq_len} is longer than the base model's max_seq_len = {cfg.max_seq_len}")
+    tok = tok_lib.load(base_run)
+    template.check_tokenizer(tok)
+    sft_data = load_data(tok, template, tcfg.seq_len, data=data, task=task, n_train=n_train, seed=tcfg.seed)
+    adapters = None if lora_cfg is None else lora_lib.init(base_params, lora_cfg, jax.random.key(tcfg.seed))
+    if not resume:
+        info = {"sft": {"base": str(Path(base_run).resolve()), "base_step": base_step,
+                        "data": None if data is None else str(Path(data).resolve()), "task": task,
+                        "n_train": n_train, "template": template.to_dict(),
+                        "lora": None if lora_cfg is None else dataclasses.asdict(lora_cfg)},
+                "data": read_run_files(Path(base_run))[2]["data"]}
+        write_run_files(run_dir, cfg, tcfg, info)
+        tok.save(run_dir)
+    trainable = adapters if lora_cfg is not None else base_params
+    n_trainable = lora_lib.param_count(adapters) if lora_cfg is not None else cfg.param_count()
+    log(f"sft from {base_run} (step {base_step}): {sft_data.train_rows['tokens'].shape[0]:,} packed rows, "
+        f"{len(sft_data.val_convs):,} held out; {'LoRA' if lora_cfg else 'full'}: {n_trainable:,} trainable")
+    before = (eval_task(base_params, cfg, tok, task, template, n=eval_examples)
+              if task is not None and not resume else None)
+    out = train_loop(run_dir, cfg, tcfg, sft_data, resume=resume, show_progress=show_progress, log=log,
+                     initial_params=trainable, frozen=base_params if lora_cfg is not None else None,
+                     lora_cfg=lora_cfg)
+    summary = {**out["summary"], "trainable_params": n_trainable}
+    if task is not None:
+        after = eval_task(out["params"], cfg, tok, task, template, n=eval_examples)
+        summary["heldout_accuracy"] = after["accuracy"]
+        summary["heldout_examples"] = after["n"]
+        if before is not None:
+            summary["base_heldout_accuracy"] = before["accuracy"]
+    (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def load_sft_params(run_dir, step: int | None = None):
+    """A fine-tuned run's model parameters: the checkpoint itself (full), or the base W₀ with its adapters
+    folded in (LoRA)."""
+    from mlx_llm.train.run import restore_params
+
+    run_dir = Path(run_dir)
+    cfg, tcfg, info = read_run_files(run_dir)
+    sft = info["sft"]
+    if sft["lora"] is None:
+        return restore_params(run_dir, cfg, tcfg, step)
+    lora_cfg = lora_lib.LoRAConfig(**{**sft["lora"], "targets": tuple(sft["lora"]["targets"])})
+    base_cfg, base_tcfg, _ = read_run_files(Path(sft["base"]))
+    base = restore_params(Path(sft["base"]), base_cfg, base_tcfg, sft["base_step"])
+    like = lora_lib.init(base, lora_cfg, jax.random.key(0))
+    adapters = restore_params(run_dir, cfg, tcfg, step, like=like)
+    return lora_lib.merge(base, adapters, lora_cfg)
+
+
+def merge_run(run_dir, out) -> Path:
+    """Write ``out``: a plain run (config, tokenizer, one checkpoint of the merged parameters) from a LoRA run."""
+    from mlx_llm.train.run import check_run_dir
+    from mlx_llm.train.step import init_state, optimizer_for
+
+    run_dir, out = Path(run_dir), Path(out)
+    cfg, tcfg, info = read_run_files(run_dir)
+    if (info.get("sft") or {}).get("lora") is None:
+        raise ConfigError(f"{run_dir} is not a fine-tuning run with LoRA adapters: there is nothing to merge (its "
+                          f"checkpoints already hold plain parameters)")
+    check_run_dir(out, resume=False)
+    params = load_sft_params(run_dir)
+    step = Checkpoints(run_dir).latest_step()
+    write_run_files(out, cfg, tcfg, {"data": info["data"], "merged_from": str(run_dir.resolve())})
+    shutil.copy(run_dir / tok_lib.TOKENIZER_FILE, out / tok_lib.TOKENIZER_FILE)
+    state = init_state(cfg, tcfg, optimizer_for(tcfg), params).replace(
+        step=np.int32(step), data_step=np.int32(step))
+    ckpts = Checkpoints(out)
+    ckpts.save(step, state)
+    ckpts.close()
+    return out
+
+
+# ----- the skill -----------------------------------------------------------------------------------------------
+def eval_task(params, cfg: ModelConfig, tok, task: str, template: ChatTemplate = ChatTemplate(), *,
+              n: int | None = None, batch_size: int = 64, max_new_tokens: int | None = None) -> dict:
+    """Held-out exact match: each held-out prompt (``tasks.prompt_messages``) rendered with the assistant marker,
+    greedy decoding until the end-of-turn marker (at most ``max_new_tokens``, default ``REPLY_TOKENS[task]``:
+    room for any correct answer and its end marker in bytes), the reply scored by ``tasks.check``. Returns
+    {"accuracy", "n", "correct", "examples": [(prompt, reply, expected), …]}."""
+    from mlx_llm.decode.generate import generate
+
+    max_new_tokens = REPLY_TOKENS[task] if max_new_tokens is None else max_new_tokens
+    examples = tasks_lib.examples(task, "heldout", n=n)
+    end_id = tok.token_id(template.end)
+    prompts = [template.encode(tasks_lib.prompt_messages(e), tok, generation_prompt=True)[0] for e in examples]
+    longest = max(len(p) for p in prompts)
+    if longest + max_new_tokens > cfg.max_seq_len:
+        raise ConfigError(f"{task} prompts of up to {longest} tokens + {max_new_tokens} new tokens exceed the model's "
+                          f"max_seq_len = {cfg.max_seq_len}")
+    replies, start = [], time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
+        chunk = prompts[i:i + batch_size]
+        chunk = chunk + [chunk[0]] * (batch_size - len(chunk))  # one compiled shape
+        lengths = np.array([len(p) for p in chunk], np.int32)
+        padded = np.full((batch_size, longest), tok.pad_id, np.int32)
+        for r, p in enumerate(chunk):
+            padded[r, :len(p)] = p
+        out = generate(params, cfg, padded, max_new_tokens, eos_id=end_id, pad_id=tok.pad_id, prompt_lengths=lengths)
+        toks, lens = np.asarray(out.tokens), np.asarray(out.lengths)
+        for r in range(min(batch_size, len(prompts) - i)):
+            reply = toks[r, :lens[r]]
+            reply = reply[:-1] if lens[r] and reply[-1] == end_id else reply
+            replies.append(tok.decode(reply, skip_special=True))
+    correct = [tasks_lib.check(task, r, e["answer"]) for r, e in zip(replies, examples)]
+    return {"accuracy": float(np.mean(correct)), "n": len(examples), "correct": int(sum(correct)),
+            "seconds": time.perf_counter() - start,
+            "examples": [(e["messages"][-2]["content"], r, e["answer"]) for e, r in zip(examples, replies)]}

@@ -1,0 +1,122 @@
+"""Supervised fine-tuning (mlx_llm.post.sft): packing, a pretrained run taught arithmetic (held-out exact match
+above the base's), LoRA runs (adapters-only checkpoints, frozen base, merge, bitwise resume)."""
+
+import json
+import shutil
+
+import chex
+import jax
+import numpy as np
+import pytest
+
+from mlx_llm import ModelConfig, forward
+from mlx_llm.config import TrainConfig
+from mlx_llm.errors import ConfigError, DataError
+from mlx_llm.post.chat import ChatTemplate
+from mlx_llm.post.lora import LoRAConfig
+from mlx_llm.post.sft import eval_task, load_sft_params, merge_run, pack, sft_run
+from mlx_llm.train.checkpoint import read_run_files
+from mlx_llm.train.run import DataSpec, load_params, train_run
+from mlx_llm.train.tokenizer import ByteTokenizer
+
+BASE_CFG = ModelConfig(vocab_size=263, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_head=16, d_ff=128,
+                       max_seq_len=64)
+SFT = dict(batch_size=16, seq_len=64, lr=3e-3, warmup_steps=10, weight_decay=0.0)
+
+
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory):
+    """A tiny byte-level model pretrained briefly on lines of arithmetic-looking code."""
+    root = tmp_path_factory.mktemp("sft")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(8):
+        (corpus / f"m{i}.py").write_text("".join(f"x = {rng.integers(100)} + {rng.integers(100)}\n"
+                                                 for _ in range(300)))
+    tcfg = TrainConfig(batch_size=8, seq_len=32, steps=20, lr=3e-3, warmup_steps=2, eval_interval=20,
+                       eval_tokens=256, checkpoint_interval=20)
+    spec = DataSpec(path=str(corpus), extensions=(".py",), val_percent=20.0, tokenizer="byte")
+    train_run(root / "base", BASE_CFG, tcfg, spec, show_progress=False, cache_dir=root / "cache", sample_tokens=4,
+              log=lambda *a: None)
+    return root / "base"
+
+
+def test_pack_keeps_conversations_apart():
+    tok, template = ByteTokenizer(), ChatTemplate()
+    convs = [template.encode([{"role": "user", "content": q}, {"role": "assistant", "content": a}], tok)
+             for q, a in (("1+1", "2"), ("22+2", "24"), ("what?", "no"))]
+    rows = pack(convs, 20, tok.pad_id)
+    sizes = [len(ids) - 1 for ids, _ in convs]  # next-token positions of each conversation
+    assert rows["tokens"].shape == (2, 20) and sizes == [8, 10, 11]
+    assert rows["segment_ids"][0].tolist() == [1] * 8 + [2] * 10 + [0] * 2
+    assert rows["segment_ids"][1].tolist() == [1] * 11 + [0] * 9
+    assert rows["positions"][0, 8:18].tolist() == list(range(10))
+    first_ids, first_target = convs[0]
+    assert rows["tokens"][0, :8].tolist() == first_ids[:-1].tolist()
+    assert rows["mask"][0, :8].tolist() == first_target[1:].astype(float).tolist() and rows["mask"][0].sum() == 5
+    assert rows["mask"][1, 11:].sum() == 0 and rows["mask"][0, 18:].sum() == 0
+    with pytest.raises(DataError, match=r"does not fit seq_len \+ 1 = 11"):
+        pack(convs, 10, tok.pad_id)
+
+
+def test_full_sft_teaches_arithmetic(base_run, tmp_path):
+    tcfg = TrainConfig(**SFT, steps=600, eval_interval=600, checkpoint_interval=600)
+    summary = sft_run(tmp_path / "full", base_run, tcfg=tcfg, task="arithmetic", n_train=4000, eval_examples=400,
+                      show_progress=False, log=lambda *a: None)
+    assert summary["base_heldout_accuracy"] == 0.0
+    assert summary["heldout_accuracy"] > summary["base_heldout_accuracy"], summary
+    assert summary["trainable_params"] == BASE_CFG.param_count()
+    cfg, _, info = read_run_files(tmp_path / "full")
+    assert info["sft"]["task"] == "arithmetic" and info["sft"]["lora"] is None and cfg == BASE_CFG
+    res = eval_task(load_params(tmp_path / "full", cfg, tcfg), cfg, ByteTokenizer(), "arithmetic", n=400)
+    assert res["accuracy"] == summary["heldout_accuracy"] and res["n"] == 400
+
+
+def test_lora_run_checkpoints_adapters_merges_and_resumes(base_run, tmp_path):
+    tcfg = TrainConfig(**{**SFT, "warmup_steps": 2}, steps=6, eval_interval=3, checkpoint_interval=3, log_interval=1)
+    lora = LoRAConfig(rank=4, alpha=8.0, targets=("wq", "wv"))
+    base_before = jax.device_get(load_params(base_run, BASE_CFG, TrainConfig()))
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    summary = sft_run(full, base_run, tcfg=tcfg, task="addition2", n_train=500, lora_cfg=lora, eval_examples=16,
+                      show_progress=False, log=lambda *a: None)
+    assert summary["trainable_params"] == 2 * 4 * (64 + 64) + 2 * 4 * (64 + 32)  # L · r(d_in + d_out), wq and wv
+    # the base run is untouched, the LoRA run's checkpoint holds only the adapters
+    chex.assert_trees_all_equal(jax.device_get(load_params(base_run, BASE_CFG, TrainConfig())), base_before)
+    ckpt_files = sum(f.stat().st_size for f in (full / "checkpoints").rglob("*") if f.is_file())
+    base_files = sum(f.stat().st_size for f in (base_run / "checkpoints").rglob("*") if f.is_file())
+    assert ckpt_files < base_files / 4
+    merged_params = load_sft_params(full)
+    tokens = np.arange(12, dtype=np.int32)[None]
+    assert np.max(np.abs(np.asarray(forward(merged_params, tokens, BASE_CFG))
+                         - np.asarray(forward(base_before, tokens, BASE_CFG)))) > 1e-6  # trained adapters act
+    out = merge_run(full, tmp_path / "merged")
+    cfg, tcfg2, info = read_run_files(out)
+    assert "sft" not in info
+    chex.assert_trees_all_close(jax.device_get(load_params(out, cfg, tcfg2)), jax.device_get(merged_params))
+    # bitwise resume
+    sft_run(cut, base_run, tcfg=tcfg, task="addition2", n_train=500, lora_cfg=lora, eval_examples=16,
+            show_progress=False, log=lambda *a: None)
+    shutil.rmtree(cut / "checkpoints" / "6")
+    sft_run(cut, resume=True, eval_examples=16, show_progress=False, log=lambda *a: None)
+    chex.assert_trees_all_equal(jax.device_get(load_sft_params(cut)), jax.device_get(merged_params))
+    assert (cut / "metrics.jsonl").read_text() == (full / "metrics.jsonl").read_text()
+
+
+def test_sft_refusals_leave_nothing(base_run, tmp_path):
+    tcfg = TrainConfig(**{**SFT, "warmup_steps": 1}, steps=2)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    cases = [
+        (dict(task="arithmetic", data=bad), ConfigError, r"give exactly one of a data file"),
+        (dict(data=bad), DataError, r"bad.jsonl:1: the conversation has no assistant turn"),
+        (dict(task="arithmetic", tcfg=TrainConfig(**{**SFT, "seq_len": 128, "warmup_steps": 1}, steps=2)), ConfigError,
+         r"seq_len = 128 is longer than the base model's max_seq_len = 64"),
+        (dict(task="arithmetic", lora_cfg=LoRAConfig(targets=("in_x",))), ConfigError,
+         r"LoRA targets \['in_x'\] are not weights of this model"),
+    ]
+    for kwargs, error, message in cases:
+        kwargs = {"tcfg": tcfg, **kwargs}
+        with pytest.raises(error, match=message):
+            sft_run(tmp_path / "out", base_run, show_progress=False, log=lambda *a: None, **kwargs)
+        assert not (tmp_path / "out").exists()
