@@ -25,8 +25,7 @@ import numpy as np
 from mlx_llm.cli import MAIN_JOB_MODEL, MAIN_JOB_TRAIN, MAIN_JOB_VOCAB, SFT_TRAIN
 from mlx_llm.post import lora as lora_lib
 from mlx_llm.post.chat import ChatTemplate
-from mlx_llm.post.sft import load_base, load_data
-from mlx_llm.post.sft import sft_run
+from mlx_llm.post.sft import load_base, load_data, sft_run
 from mlx_llm.train import tokenizer as tok_lib
 from mlx_llm.train.parallel import make_mesh, replicated
 from mlx_llm.train.run import DataSpec, train_run

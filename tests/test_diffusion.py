@@ -86,7 +86,6 @@ def test_monte_carlo_nelbo_matches_exact_integral():
     mean, se = draws.mean(), draws.std() / math.sqrt(draws.size)
     assert abs(mean - exact) <= 4 * se + 1e-9, (mean, exact, se)
     assert se < 0.05 * exact  # the test has power: a 10 % bias would show
-    # the bound is above the exact −log p of the one-step sampler? no: above −log p_θ(x) of any S (test 3)
 
 
 # ----- 3. the bound is a bound --------------------------------------------------------------------------------
