@@ -88,11 +88,10 @@ class SFTData:
 
     def train_batch(self, step: int, *, batch_size: int, seq_len: int, seed: int) -> dict[str, np.ndarray]:
         n_rows = self.train_rows["tokens"].shape[0]
-        idx = []
-        for k in range(step * batch_size, (step + 1) * batch_size):
-            epoch, j = divmod(k, n_rows)
-            idx.append(np.random.default_rng([seed, epoch]).permutation(n_rows)[j])
-        return {name: a[np.asarray(idx)] for name, a in self.train_rows.items()}
+        epoch_B, j_B = np.divmod(np.arange(step * batch_size, (step + 1) * batch_size), n_rows)
+        orders = {e: np.random.default_rng([seed, int(e)]).permutation(n_rows) for e in np.unique(epoch_B)}
+        idx = np.array([orders[e][j] for e, j in zip(epoch_B, j_B)])
+        return {name: a[idx] for name, a in self.train_rows.items()}
 
     def val_batches(self, seq_len: int, batch_size: int, max_tokens: int | None = None) -> ValSet:
         rows = pack(self.val_convs, seq_len, self.tokenizer.pad_id)
