@@ -1,4 +1,4 @@
-"""The ``mlx-llm`` command: train, eval, generate.
+"""The ``mlx-llm`` command: train, eval, generate, and the post-training commands (sft, reward, dpo, rl, …).
 
 Every user error (an ``MLXLLMError``, a bad flag, an unreadable file) prints one line naming the problem and
 the fix on stderr and exits with status 2, without a traceback; nothing already written is overwritten.
@@ -83,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
         if flag not in ("objective", "compute_dtype"):
             sf.add_argument("--" + flag.replace("_", "-"), type=typ, dest=flag)
 
+    for name, help_ in (("reward", "train a Bradley–Terry reward model on preference pairs"),
+                        ("dpo", "direct preference optimisation of a run on preference pairs"),
+                        ("rl", "KL-leashed on-policy RL of a run on a task (checker or reward-model reward)")):
+        add_post_parser(sub.add_parser(name, help=help_), name)
+
     et = sub.add_parser("eval-task", help="held-out exact match of a run on a built-in task")
     et.add_argument("--run", type=Path, required=True)
     et.add_argument("--task", choices=TASKS, required=True)
@@ -113,6 +118,36 @@ def build_parser() -> argparse.ArgumentParser:
     ge.add_argument("--step", type=int, help="checkpoint step (default: latest)")
     ge.add_argument("--json", action="store_true", help="print the result and how to reproduce it as JSON")
     return ap
+
+
+def add_post_parser(pp, kind: str) -> None:
+    """Flags of the preference commands (reward, dpo, rl): base run, data or task, LoRA, training overrides."""
+    pp.add_argument("--base", type=Path, help="the run to start from (pretrained or SFT)")
+    if kind == "rl":
+        pp.add_argument("--task", choices=TASKS, help="a built-in task: prompts and the exact checker")
+        pp.add_argument("--reward-model", type=Path, help="a reward run scoring replies instead of the checker")
+        pp.add_argument("--k", type=int, default=8, help="replies sampled per prompt (≥ 2; default %(default)s)")
+    else:
+        data = pp.add_mutually_exclusive_group()
+        data.add_argument("--data", type=Path, help='pairs, JSONL ({"prompt": [...], "chosen": {...}, '
+                                                    '"rejected": {...}} per line)')
+        data.add_argument("--task", choices=TASKS, help="pairs built from a task (correct vs corrupted answers)")
+        pp.add_argument("--model-negatives", action="store_true",
+                        help="with --task, add the base model's own wrong samples as rejected replies")
+    if kind != "reward":
+        pp.add_argument("--beta", type=float, default=PREF_BETA[kind], help="β of the KL leash (default %(default)s)")
+        pp.add_argument("--reference", type=Path, help="the frozen reference run (default: --base)")
+        pp.add_argument("--eval-examples", type=int, default=200, help="held-out task examples scored at the end")
+    pp.add_argument("--out", type=Path, required=True)
+    pp.add_argument("--resume", action="store_true")
+    pp.add_argument("--train-examples", type=int, help="cap on the task's train examples")
+    pp.add_argument("--lora-rank", type=int, help="train rank-R adapters instead of every weight")
+    pp.add_argument("--lora-alpha", type=float, default=16.0)
+    pp.add_argument("--lora-targets", default="wq,wv", help="comma-separated weight keys (default %(default)s)")
+    pp.add_argument("--no-progress", action="store_true")
+    for flag, typ in TRAIN_FLAGS.items():
+        if flag not in ("objective", "compute_dtype", "grad_accum"):
+            pp.add_argument("--" + flag.replace("_", "-"), type=typ, dest=flag)
 
 
 def train_configs(args) -> tuple[ModelConfig, TrainConfig]:
@@ -215,16 +250,76 @@ def cmd_sft(args) -> int:
     return 0
 
 
+PREF_TRAIN = {kind: TrainConfig(batch_size=16, seq_len=128, steps=200, lr=lr, warmup_steps=10, eval_interval=100,
+                                 checkpoint_interval=50, weight_decay=0.0)
+              for kind, lr in (("reward", 3e-4), ("dpo", 1e-4), ("rl", 1e-4))}
+PREF_BETA = {"dpo": 0.1, "rl": 0.05}
+
+
+def _lora_cfg(args):
+    from mlx_llm.post.lora import LoRAConfig
+
+    return None if args.lora_rank is None else LoRAConfig(
+        rank=args.lora_rank, alpha=args.lora_alpha, targets=tuple(t for t in args.lora_targets.split(",") if t))
+
+
+def cmd_post(args) -> int:
+    """reward / dpo / rl: a new run from --base, or --resume of one (then only --out)."""
+    from mlx_llm.post import dpo, reward, rl
+
+    kind, show = args.command, not args.no_progress
+    specific = {"reward": ("data", "task"), "dpo": ("data", "task", "reference"),
+                "rl": ("task", "reward_model", "reference")}[kind]
+    if args.resume:
+        given = (args.base, args.train_examples, args.lora_rank) + tuple(getattr(args, k) for k in specific) + tuple(
+            getattr(args, k, None) for k in TRAIN_FLAGS)
+        if any(v is not None for v in given):
+            raise MLXLLMError("--resume continues a run exactly as it was configured: give only --out")
+        common = dict(resume=True, show_progress=show)
+    else:
+        if args.base is None or all(getattr(args, k, None) is None for k in ("data", "task")):
+            need = "--task NAME" if kind == "rl" else "one of --data FILE.jsonl / --task NAME"
+            raise MLXLLMError(f"{kind} needs --base RUN and {need}")
+        overrides = {k: getattr(args, k) for k in TRAIN_FLAGS if getattr(args, k, None) is not None}
+        common = dict(base_run=args.base, tcfg=TrainConfig(**{**PREF_TRAIN[kind].to_dict(), **overrides}),
+                      task=args.task, lora_cfg=_lora_cfg(args), n_train=args.train_examples, show_progress=show)
+    if kind == "reward":
+        if not args.resume:
+            common.update(data=args.data, model_negatives=args.model_negatives)
+        summary = reward.reward_run(args.out, **common)
+        print(f"run: {args.out}; held-out preference accuracy {summary['val_accuracy']:.1%} (Bradley–Terry loss "
+              f"{summary['val_loss']:.4f})")
+        return 0
+    if not args.resume:
+        common.update(beta=args.beta, reference=args.reference)
+    if kind == "dpo":
+        if not args.resume:
+            common.update(data=args.data, model_negatives=args.model_negatives)
+        summary = dpo.dpo_run(args.out, eval_examples=args.eval_examples, **common)
+        print(f"run: {args.out}; held-out pairs: preference accuracy {summary['val_accuracy']:.1%}, implicit reward "
+              f"margin {summary['val_margin']:.4f}, loss {summary['val_loss']:.4f}")
+    else:
+        if not args.resume:
+            common.update(k=args.k, reward_model=args.reward_model)
+        summary = rl.rl_run(args.out, eval_examples=args.eval_examples, **common)
+        print(f"run: {args.out}; last step: reward {summary['reward']:.3f}, KL to the reference "
+              f"{summary['kl']:.4f}, reply length {summary['response_length']:.1f}")
+    if "heldout_accuracy" in summary:
+        before = summary.get("base_heldout_accuracy")
+        print(f"held-out exact match {summary['heldout_accuracy']:.1%}"
+              + ("" if before is None else f" (base: {before:.1%})"))
+    return 0
+
+
 def cmd_eval_task(args) -> int:
-    from mlx_llm.post.chat import ChatTemplate
+    from mlx_llm.post.loop import run_template
     from mlx_llm.post.sft import eval_task
     from mlx_llm.train import tokenizer as tok_lib
     from mlx_llm.train.checkpoint import read_run_files
     from mlx_llm.train.run import load_params
 
     cfg, tcfg, info = read_run_files(args.run)
-    template = ChatTemplate.from_dict(info["sft"]["template"]) if "sft" in info else ChatTemplate()
-    res = eval_task(load_params(args.run, cfg, tcfg), cfg, tok_lib.load(args.run), args.task, template,
+    res = eval_task(load_params(args.run, cfg, tcfg), cfg, tok_lib.load(args.run), args.task, run_template(info),
                     n=args.examples)
     print(f"{args.run} on {args.task}: held-out exact match {res['accuracy']:.1%} ({res['correct']} of {res['n']})")
     return 0
@@ -234,13 +329,13 @@ def cmd_chat(args) -> int:
     import numpy as np
 
     from mlx_llm.decode.generate import generate
-    from mlx_llm.post.chat import ChatTemplate
+    from mlx_llm.post.loop import run_template
     from mlx_llm.train import tokenizer as tok_lib
     from mlx_llm.train.checkpoint import read_run_files
     from mlx_llm.train.run import load_params
 
     cfg, tcfg, info = read_run_files(args.run)
-    template = ChatTemplate.from_dict(info["sft"]["template"]) if "sft" in info else ChatTemplate()
+    template = run_template(info)
     tok, params = tok_lib.load(args.run), load_params(args.run, cfg, tcfg)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print("chat with", args.run, "(an empty line or Ctrl-D ends)")
@@ -275,7 +370,7 @@ def cmd_export_merged(args) -> int:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     command = {"train": cmd_train, "eval": cmd_eval, "generate": cmd_generate, "sft": cmd_sft,
-               "eval-task": cmd_eval_task, "chat": cmd_chat, "export-merged": cmd_export_merged}[args.command]
+               "reward": cmd_post, "dpo": cmd_post, "rl": cmd_post, "eval-task": cmd_eval_task, "chat": cmd_chat, "export-merged": cmd_export_merged}[args.command]
     try:
         return command(args)
     except MLXLLMError as exc:

@@ -207,17 +207,19 @@ def sft_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, data=Non
 
 def load_sft_params(run_dir, step: int | None = None):
     """A fine-tuned run's model parameters: the checkpoint itself (full), or the base W₀ with its adapters
-    folded in (LoRA)."""
+    folded in (LoRA; the base may itself be a LoRA run)."""
     from mlx_llm.train.run import restore_params
+
+    from mlx_llm.train.run import load_params
 
     run_dir = Path(run_dir)
     cfg, tcfg, info = read_run_files(run_dir)
-    sft = info["sft"]
+    sft = info.get("sft") or info["post"]  # a DPO / RL run records its base the same way
     if sft["lora"] is None:
         return restore_params(run_dir, cfg, tcfg, step)
     lora_cfg = lora_lib.LoRAConfig(**{**sft["lora"], "targets": tuple(sft["lora"]["targets"])})
     base_cfg, base_tcfg, _ = read_run_files(Path(sft["base"]))
-    base = restore_params(Path(sft["base"]), base_cfg, base_tcfg, sft["base_step"])
+    base = load_params(Path(sft["base"]), base_cfg, base_tcfg, sft["base_step"])
     like = lora_lib.init(base, lora_cfg, jax.random.key(0))
     adapters = restore_params(run_dir, cfg, tcfg, step, like=like)
     return lora_lib.merge(base, adapters, lora_cfg)
@@ -247,36 +249,49 @@ def merge_run(run_dir, out) -> Path:
 
 
 # ----- the skill -----------------------------------------------------------------------------------------------
+def sample_replies(params, cfg: ModelConfig, tok, template: ChatTemplate, prompts, max_new_tokens: int, *,
+                   temperature: float | None = None, seed: int = 0, batch_size: int = 64) -> list:
+    """The model's reply to each conversation of ``prompts`` (rendered with the assistant marker), decoded until
+    the end-of-turn marker or ``max_new_tokens``: greedy (``temperature`` None) or sampled from p^(1/T) with
+    the jitted decoder. Returns [(reply ids, end marker included when produced), text (marker dropped)]."""
+    from mlx_llm.decode.generate import generate
+
+    end_id = tok.token_id(template.end)
+    encoded = [template.encode(m, tok, generation_prompt=True)[0] for m in prompts]
+    longest = max(len(p) for p in encoded)
+    if longest + max_new_tokens > cfg.max_seq_len:
+        raise ConfigError(f"prompts of up to {longest} tokens + {max_new_tokens} new tokens exceed the model's "
+                          f"max_seq_len = {cfg.max_seq_len}")
+    out_replies = []
+    for i in range(0, len(encoded), batch_size):
+        chunk = encoded[i:i + batch_size]
+        chunk = chunk + [chunk[0]] * (batch_size - len(chunk))  # one compiled shape
+        lengths = np.array([len(p) for p in chunk], np.int32)
+        padded = np.full((batch_size, longest), tok.pad_id, np.int32)
+        for r, p in enumerate(chunk):
+            padded[r, :len(p)] = p
+        out = generate(params, cfg, padded, max_new_tokens, temperature=temperature, eos_id=end_id,
+                       pad_id=tok.pad_id, prompt_lengths=lengths, seed=seed + i)
+        toks, lens = np.asarray(out.tokens), np.asarray(out.lengths)
+        for r in range(min(batch_size, len(encoded) - i)):
+            reply = toks[r, :lens[r]]
+            text = reply[:-1] if lens[r] and reply[-1] == end_id else reply
+            out_replies.append((reply, tok.decode(text, skip_special=True)))
+    return out_replies
+
+
 def eval_task(params, cfg: ModelConfig, tok, task: str, template: ChatTemplate = ChatTemplate(), *,
               n: int | None = None, batch_size: int = 64, max_new_tokens: int | None = None) -> dict:
     """Held-out exact match: each held-out prompt (``tasks.prompt_messages``) rendered with the assistant marker,
     greedy decoding until the end-of-turn marker (at most ``max_new_tokens``, default ``REPLY_TOKENS[task]``:
     room for any correct answer and its end marker in bytes), the reply scored by ``tasks.check``. Returns
     {"accuracy", "n", "correct", "examples": [(prompt, reply, expected), …]}."""
-    from mlx_llm.decode.generate import generate
-
     max_new_tokens = REPLY_TOKENS[task] if max_new_tokens is None else max_new_tokens
     examples = tasks_lib.examples(task, "heldout", n=n)
-    end_id = tok.token_id(template.end)
-    prompts = [template.encode(tasks_lib.prompt_messages(e), tok, generation_prompt=True)[0] for e in examples]
-    longest = max(len(p) for p in prompts)
-    if longest + max_new_tokens > cfg.max_seq_len:
-        raise ConfigError(f"{task} prompts of up to {longest} tokens + {max_new_tokens} new tokens exceed the model's "
-                          f"max_seq_len = {cfg.max_seq_len}")
-    replies, start = [], time.perf_counter()
-    for i in range(0, len(prompts), batch_size):
-        chunk = prompts[i:i + batch_size]
-        chunk = chunk + [chunk[0]] * (batch_size - len(chunk))  # one compiled shape
-        lengths = np.array([len(p) for p in chunk], np.int32)
-        padded = np.full((batch_size, longest), tok.pad_id, np.int32)
-        for r, p in enumerate(chunk):
-            padded[r, :len(p)] = p
-        out = generate(params, cfg, padded, max_new_tokens, eos_id=end_id, pad_id=tok.pad_id, prompt_lengths=lengths)
-        toks, lens = np.asarray(out.tokens), np.asarray(out.lengths)
-        for r in range(min(batch_size, len(prompts) - i)):
-            reply = toks[r, :lens[r]]
-            reply = reply[:-1] if lens[r] and reply[-1] == end_id else reply
-            replies.append(tok.decode(reply, skip_special=True))
+    start = time.perf_counter()
+    replies = [text for _, text in sample_replies(params, cfg, tok, template,
+                                                  [tasks_lib.prompt_messages(e) for e in examples], max_new_tokens,
+                                                  batch_size=batch_size)]
     correct = [tasks_lib.check(task, r, e["answer"]) for r, e in zip(replies, examples)]
     return {"accuracy": float(np.mean(correct)), "n": len(examples), "correct": int(sum(correct)),
             "seconds": time.perf_counter() - start,

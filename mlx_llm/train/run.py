@@ -337,7 +337,11 @@ def load_params(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, step: int | 
     """The model parameters of a run's checkpoint (latest by default), replicated on the local mesh; for a LoRA
     fine-tuning run, its base with the adapters folded in (post/sft.py)."""
     info = read_run_files(Path(run_dir))[2]
-    if (info.get("sft") or {}).get("lora") is not None:
+    post = info.get("post") or {}
+    if post.get("kind") == "reward":
+        raise ConfigError(f"{run_dir} is a reward model (a trunk and a reward head), not a language model: load it "
+                          f"with mlx_llm.post.reward.load_reward_model")
+    if (info.get("sft") or post).get("lora") is not None:
         from mlx_llm.post.sft import load_sft_params
 
         return load_sft_params(run_dir, step)

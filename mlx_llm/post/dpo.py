@@ -1,0 +1,154 @@
+"""Direct preference optimisation (M20 §16, U19 §13): the KL-leashed objective solved for the reward, so the policy
+is trained on preference pairs directly, with no reward model and no sampling.
+
+    L_DPO = −log σ(β [ℓ_θ(y⁺|c) − ℓ_θ(y⁻|c) − ℓ_ref(y⁺|c) + ℓ_ref(y⁻|c)])
+
+ℓ is the **sum** of the reply's token log-probabilities (``pairs.response_logprobs``; M20 §16: normalising by
+length would change the objective). The bracket times β is the *margin* m (the difference of the implicit
+rewards β·log π_θ/π_ref of the two replies); ∂L/∂θ = −β σ(−m) (∇ℓ_θ(y⁺|c) − ∇ℓ_θ(y⁻|c)): each pair pushes with
+weight β σ(−m), large while the policy still ranks the pair wrongly. The reference is frozen; its log-probs are
+computed in the same step with no gradient through them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mlx_llm.config import TrainConfig
+from mlx_llm.errors import ConfigError
+from mlx_llm.post import loop
+from mlx_llm.post import lora as lora_lib
+from mlx_llm.post import pairs as pairs_lib
+from mlx_llm.post import tasks as tasks_lib
+
+
+# ----- the equations ------------------------------------------------------------------------------------------
+def margin(lp_chosen, lp_rejected, ref_chosen, ref_rejected, beta):
+    """m = β [(ℓ_θ(y⁺) − ℓ_ref(y⁺)) − (ℓ_θ(y⁻) − ℓ_ref(y⁻))]: the implicit reward margin (U19 §13)."""
+    return beta * ((lp_chosen - ref_chosen) - (lp_rejected - ref_rejected))
+
+
+def loss_from_margin(m):
+    """−log σ(m) = softplus(−m), stable for any m."""
+    return jax.nn.softplus(-m)
+
+
+def dpo_loss(lp_chosen, lp_rejected, ref_chosen, ref_rejected, beta):
+    """Per-pair DPO loss (M20 §16)."""
+    return loss_from_margin(margin(lp_chosen, lp_rejected, ref_chosen, ref_rejected, beta))
+
+
+def pair_weight(m, beta):
+    """β σ(−m): how hard a pair pushes (∂L/∂ℓ_θ(y⁺) = −β σ(−m), U19 §13)."""
+    return beta * jax.nn.sigmoid(-m)
+
+
+# ----- in a model ---------------------------------------------------------------------------------------------
+def pair_logprobs(params, cfg, batch):
+    """(ℓ(y⁺|c), ℓ(y⁻|c)) of a pair batch, both sides in one forward pass."""
+    both = pairs_lib.concat_sequences(batch["chosen"], batch["rejected"])
+    lp = pairs_lib.response_logprobs(params, cfg, both)
+    n = batch["chosen"]["ids"].shape[0]
+    return lp[:n], lp[n:]
+
+
+def make_loss(cfg, beta: float, lora_cfg):
+    """(trainable, frozen, batch) → (mean DPO loss, {margin, accuracy, chosen/rejected implicit rewards})."""
+
+    def loss_fn(trainable, frozen, batch):
+        ref_c, ref_r = jax.lax.stop_gradient(pair_logprobs(frozen["reference"], cfg, batch))
+        lp_c, lp_r = pair_logprobs(loop.policy_params(trainable, frozen, lora_cfg), cfg, batch)
+        m = margin(lp_c, lp_r, ref_c, ref_r, beta)
+        return jnp.mean(loss_from_margin(m)), {
+            "margin": jnp.mean(m), "accuracy": jnp.mean((m > 0).astype(m.dtype)),
+            "reward_chosen": beta * jnp.mean(lp_c - ref_c), "reward_rejected": beta * jnp.mean(lp_r - ref_r)}
+
+    return loss_fn
+
+
+def make_eval(cfg, beta, lora_cfg, frozen, data: pairs_lib.PairData, batch_size: int):
+    """Held-out pairs: mean loss, implicit reward margin and preference accuracy (margin > 0)."""
+    loss_fn = jax.jit(make_loss(cfg, beta, lora_cfg))
+
+    def evaluate(trainable) -> dict:
+        totals = np.zeros(3)
+        n_all = 0
+        for batch, n in data.val_batches(batch_size):
+            batch = jax.tree.map(lambda a: jnp.asarray(a[:n]), batch)
+            loss, aux = loss_fn(trainable, frozen, batch)
+            totals += n * np.array([float(loss), float(aux["margin"]), float(aux["accuracy"])])
+            n_all += n
+        loss, m, acc = totals / n_all
+        return {"val_loss": loss, "val_margin": m, "val_accuracy": acc}
+
+    return evaluate
+
+
+# ----- runs ---------------------------------------------------------------------------------------------------
+def pair_data(base: loop.Base, tcfg: TrainConfig, *, data=None, task=None, n_train=None, model_negatives=False):
+    """Train / held-out pairs of a JSONL file (5 % held out by hash) or of a task (train / heldout splits)."""
+    if (data is None) == (task is None):
+        raise ConfigError(f"give exactly one of a pair file (--data FILE.jsonl) and a task (--task NAME: "
+                          f"{list(tasks_lib.TASKS)})")
+    if task is not None:
+        policy = (base.params, base.cfg, base.tok, base.template) if model_negatives else None
+        train = pairs_lib.task_pairs(task, "train", n=n_train, seed=tcfg.seed, policy=policy)
+        val = pairs_lib.task_pairs(task, "heldout", n=200, seed=tcfg.seed)
+    else:
+        train, val = pairs_lib.split_pairs(pairs_lib.read_pairs(data))
+    return pairs_lib.PairData.build(train, val, base.tok, base.template, tcfg.seq_len)
+
+
+def dpo_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, beta: float = 0.1, data=None, task=None,
+            reference=None, lora_cfg: lora_lib.LoRAConfig | None = None, n_train: int | None = None,
+            model_negatives: bool = False, eval_examples: int | None = 200, resume: bool = False,
+            show_progress: bool = True, log=print) -> dict:
+    """DPO from ``base_run`` (the policy's start, and the reference unless ``reference`` names another run with
+    the same tokenizer and config) on pairs of ``data`` or ``task``; with a task, held-out exact match before and
+    after. Everything is checked before the run directory is created."""
+    from mlx_llm.post.sft import eval_task
+    from mlx_llm.train.run import check_run_dir
+
+    run_dir = Path(run_dir)
+    check_run_dir(run_dir, resume)
+    if resume:
+        _, tcfg, info = loop.read_run_files(run_dir)
+        rec = info["post"]
+        base_run, beta, data, task, reference = rec["base"], rec["beta"], rec["data"], rec["task"], rec["reference"]
+        n_train, model_negatives = rec["n_train"], rec["model_negatives"]
+        lora_cfg = loop.lora_from_record(rec)
+    beta = loop.check_beta(beta)
+    base = loop.load_base(base_run)
+    ref = base if reference is None else loop.load_base(reference)
+    loop.check_same_model(base, ref, "reference")
+    if tcfg.seq_len > base.cfg.max_seq_len:
+        raise ConfigError(f"seq_len = {tcfg.seq_len} is longer than the base model's max_seq_len = "
+                          f"{base.cfg.max_seq_len}")
+    data_ = pair_data(base, tcfg, data=data, task=task, n_train=n_train, model_negatives=model_negatives)
+    record = loop.post_record("dpo", base, lora_cfg, beta=beta, task=task, n_train=n_train,
+                              data=None if data is None else str(Path(data).resolve()),
+                              reference=None if reference is None else str(Path(reference).resolve()),
+                              model_negatives=model_negatives)
+    trainable = loop.initial_trainable(base, lora_cfg, tcfg.seed)
+    frozen = {"reference": ref.params, **({"base": base.params} if lora_cfg is not None else {})}
+    before = (eval_task(base.params, base.cfg, base.tok, task, base.template, n=eval_examples)
+              if task is not None and not resume else None)
+    loop.start_run(run_dir, base, tcfg, record, resume)
+    log(f"dpo from {base.run} (step {base.step}), β = {beta:g}: {len(data_.train):,} train pairs, "
+        f"{len(data_.val):,} held out; {'LoRA' if lora_cfg else 'full'}")
+    out = loop.post_loop(run_dir, base.cfg, tcfg, trainable, frozen, make_loss(base.cfg, beta, lora_cfg),
+                         lambda s, _: (data_.train_batch(s, tcfg.batch_size, tcfg.seed), {}),
+                         evaluate=make_eval(base.cfg, beta, lora_cfg, frozen, data_, tcfg.batch_size),
+                         resume=resume, show_progress=show_progress, log=log)
+    summary = {"steps": tcfg.steps, "wall_seconds": out["wall_seconds"], **out["eval"]}
+    if task is not None:
+        params = loop.policy_params(out["state"].params, frozen, lora_cfg)
+        summary["heldout_accuracy"] = eval_task(params, base.cfg, base.tok, task, base.template, n=eval_examples)["accuracy"]
+        if before is not None:
+            summary["base_heldout_accuracy"] = before["accuracy"]
+    return loop.write_summary(run_dir, summary)

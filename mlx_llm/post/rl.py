@@ -1,0 +1,216 @@
+"""The KL leash (U19 §12): its closed form over a finite set of answers, and on-policy RL that converges to it.
+
+Maximise J(π) = E_{y∼π}[r(y)] − β KL(π ‖ π_ref). Over a finite set of answers the maximiser is
+
+    π*(y) = π_ref(y) e^{r(y)/β} / Z,   Z = Σ_y π_ref(y) e^{r(y)/β},   J(π*) = β ln Z = E_{π*}[r] − β KL(π* ‖ π_ref)
+
+(``leash``). On-policy RL estimates ∇J from samples: for each prompt the policy draws k replies with the jitted
+decoder (temperature 1: the policy's own distribution), each is scored (the task's exact checker, or a reward
+model), and the reward is shaped with the per-token KL penalty, estimator k1:
+
+    r̃(y) = r(y) − β Σ_{t ∈ y} [log π_θ(y_t | ·) − log π_ref(y_t | ·)]
+
+whose expectation under π_θ is exactly r − β·KL. With the leave-one-out group baseline (the mean r̃ of the other
+k − 1 replies to the same prompt, so k ≥ 2; RLOO, GRPO-style group-relative without the std division) the
+advantage A = r̃ − baseline gives an unbiased estimate of ∇J = E_π[A ∇ log π_θ(y)] (the KL term's own
+E_π[∇ log π_θ] vanishes), so the fixed point is exactly π* — ``train_bandit`` runs the same functions on a
+3-answer bandit and lands on the closed form. (The k3 estimator r/π − log(r/π) − 1 as a loss term has the
+gradient of the *forward* KL(π_ref ‖ π), whose optimum is not π*.)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from mlx_llm.config import TrainConfig
+from mlx_llm.errors import ConfigError
+from mlx_llm.post import loop
+from mlx_llm.post import lora as lora_lib
+from mlx_llm.post import pairs as pairs_lib
+from mlx_llm.post import tasks as tasks_lib
+
+
+# ----- the equations ------------------------------------------------------------------------------------------
+def leash(pi_ref, rewards, beta) -> dict:
+    """π* ∝ π_ref e^{r/β}, E_{π*}[r], KL(π* ‖ π_ref) and J(π*) = β ln Z (U19 §12), in the dtype of the inputs."""
+    beta = loop.check_beta(beta)
+    log_ref, r = jnp.log(jnp.asarray(pi_ref)), jnp.asarray(rewards)
+    log_z = jax.nn.logsumexp(log_ref + r / beta)
+    log_pi = log_ref + r / beta - log_z
+    pi = jnp.exp(log_pi)
+    return {"pi": pi, "expected_reward": jnp.sum(pi * r), "kl": jnp.sum(pi * (log_pi - log_ref)),
+            "objective": beta * log_z}
+
+
+def shaped_rewards(r, logp, logp_ref, beta):
+    """r̃ = r − β (log π_θ(y) − log π_ref(y)): the k1 KL penalty summed over the reply's tokens, no gradient."""
+    return r - beta * jax.lax.stop_gradient(logp - logp_ref)
+
+
+def check_group(k) -> int:
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 2:
+        raise ConfigError(f"k = {k!r} is invalid: group-relative advantages compare each reply with the other "
+                          f"replies to its prompt, so k must be an integer ≥ 2")
+    return int(k)
+
+
+def group_advantages(r_PK):
+    """A = r̃ − mean of the other k − 1 rewards of the same prompt (leave-one-out), per row of (P, K)."""
+    k = r_PK.shape[-1]
+    return r_PK - (jnp.sum(r_PK, axis=-1, keepdims=True) - r_PK) / (k - 1)
+
+
+def policy_loss(logp_PK, adv_PK):
+    """−mean A · log π_θ(y): its gradient is the REINFORCE estimate of −∇J (A carries no gradient)."""
+    return -jnp.mean(jax.lax.stop_gradient(adv_PK) * logp_PK)
+
+
+def leashed_loss(logp_PK, logp_ref_PK, r_PK, beta):
+    """(loss, {kl, shaped}) of k sampled replies per prompt: shaped rewards → group advantages → policy loss."""
+    shaped = shaped_rewards(r_PK, logp_PK, logp_ref_PK, beta)
+    loss = policy_loss(logp_PK, group_advantages(shaped))
+    return loss, {"kl": jnp.mean(jax.lax.stop_gradient(logp_PK - logp_ref_PK)), "shaped_reward": jnp.mean(shaped)}
+
+
+def train_bandit(pi_ref, rewards, beta, *, k: int = 16, steps: int = 4000, lr: float = 0.05, seed: int = 0):
+    """On-policy RL on a finite bandit with logits θ (π_θ = softmax θ, starting at π_ref), k samples per step,
+    Adam: the same ``leashed_loss`` as the language-model trainer. Returns π_θ after every step, (steps, n)."""
+    beta, k = loop.check_beta(beta), check_group(k)
+    log_ref, r = jnp.log(jnp.asarray(pi_ref, jnp.float32)), jnp.asarray(rewards, jnp.float32)
+    opt = optax.adam(lr)
+
+    def loss_fn(theta, y_K):
+        logp_K = jax.nn.log_softmax(theta)[y_K]
+        return leashed_loss(logp_K[None], log_ref[y_K][None], r[y_K][None], beta)[0]
+
+    def step(carry, key):
+        theta, opt_state = carry
+        y_K = jax.random.categorical(key, theta, shape=(k,))
+        updates, opt_state = opt.update(jax.grad(loss_fn)(theta, y_K), opt_state)
+        theta = optax.apply_updates(theta, updates)
+        return (theta, opt_state), jax.nn.softmax(theta)
+
+    keys = jax.random.split(jax.random.key(seed), steps)
+    return jax.jit(lambda: jax.lax.scan(step, (log_ref, opt.init(log_ref)), keys)[1])()
+
+
+# ----- in a language model ------------------------------------------------------------------------------------
+def make_loss(cfg, beta: float, k: int, lora_cfg):
+    """(trainable, frozen, batch) → (loss, metrics): batch holds P·K sampled replies (grouped by prompt) as
+    sequences and their rewards."""
+
+    def loss_fn(trainable, frozen, batch):
+        seqs = {"ids": batch["ids"], "target": batch["target"]}
+        logp = pairs_lib.response_logprobs(loop.policy_params(trainable, frozen, lora_cfg), cfg, seqs)
+        logp_ref = jax.lax.stop_gradient(pairs_lib.response_logprobs(frozen["reference"], cfg, seqs))
+        return leashed_loss(logp.reshape(-1, k), logp_ref.reshape(-1, k), batch["reward"].reshape(-1, k), beta)
+
+    return loss_fn
+
+
+class Sampler:
+    """The host side of a step: P prompts of the task (an epoch permutation of (seed, epoch)), k replies to each
+    from the current policy at temperature 1 (seeded by (seed, step)), their sequences and rewards."""
+
+    def __init__(self, base: loop.Base, task: str, tcfg: TrainConfig, k: int, frozen, lora_cfg, *, n_train=None,
+                 reward_model=None, max_new_tokens=None):
+        from mlx_llm.post.sft import REPLY_TOKENS
+
+        self.base, self.task, self.tcfg, self.k, self.frozen, self.lora_cfg = base, task, tcfg, k, frozen, lora_cfg
+        self.examples = tasks_lib.examples(task, "train", n=n_train, seed=tcfg.seed)
+        self.reward_model = reward_model
+        self.max_new = max_new_tokens or REPLY_TOKENS[task]
+        self.prompts = [base.template.encode(tasks_lib.prompt_messages(e), base.tok, generation_prompt=True)[0]
+                        for e in self.examples]
+        longest = max(len(p) for p in self.prompts) + self.max_new
+        if longest > tcfg.seq_len:
+            raise ConfigError(f"{task} prompts + {self.max_new} reply tokens need seq_len ≥ {longest}, got "
+                              f"{tcfg.seq_len}")
+
+    def prompt_indices(self, step: int) -> np.ndarray:
+        n, p = len(self.examples), self.tcfg.batch_size
+        epoch_B, j_B = np.divmod(np.arange(step * p, (step + 1) * p), n)
+        orders = {e: np.random.default_rng([self.tcfg.seed, int(e)]).permutation(n) for e in np.unique(epoch_B)}
+        return np.array([orders[e][j] for e, j in zip(epoch_B, j_B)])
+
+    def __call__(self, step: int, trainable):
+        from mlx_llm.post.sft import sample_replies
+
+        base, k = self.base, self.k
+        idx = np.repeat(self.prompt_indices(step), k)
+        params = loop.policy_params(trainable, self.frozen, self.lora_cfg)
+        seed = int(np.random.default_rng([self.tcfg.seed, step, 11]).integers(2**31))
+        replies = sample_replies(params, base.cfg, base.tok, base.template,
+                                 [tasks_lib.prompt_messages(self.examples[i]) for i in idx], self.max_new,
+                                 temperature=1.0, seed=seed, batch_size=len(idx))
+        seqs = pairs_lib.pad_sequences(
+            [(np.concatenate([self.prompts[i], ids]), np.r_[np.zeros(len(self.prompts[i])), np.ones(len(ids))])
+             for i, (ids, _) in zip(idx, replies)], self.tcfg.seq_len, base.tok.pad_id)
+        correct = np.array([tasks_lib.check(self.task, text, self.examples[i]["answer"])
+                            for i, (_, text) in zip(idx, replies)], np.float32)
+        reward = correct if self.reward_model is None else np.asarray(self.reward_model.score(seqs), np.float32)
+        host = {"reward": float(reward.mean()), "accuracy": float(correct.mean()),
+                "response_length": float(np.mean([len(ids) for ids, _ in replies]))}
+        return {"ids": seqs["ids"], "target": seqs["target"], "reward": reward}, host
+
+
+def rl_run(run_dir, base_run=None, *, task: str | None = None, tcfg: TrainConfig | None = None, beta: float = 0.05,
+           k: int = 8, reward_model=None, reference=None, lora_cfg: lora_lib.LoRAConfig | None = None,
+           n_train: int | None = None, eval_examples: int | None = 200, resume: bool = False,
+           show_progress: bool = True, log=print) -> dict:
+    """KL-leashed on-policy RL from ``base_run`` on ``task`` (``tcfg.batch_size`` prompts × ``k`` replies per step),
+    rewarded by the task's checker or by ``reward_model`` (a reward run with the policy's tokenizer); the
+    reference is the base unless ``reference`` names another run. Held-out exact match before and after."""
+    from mlx_llm.post.reward import load_reward_model
+    from mlx_llm.post.sft import eval_task
+    from mlx_llm.train.run import check_run_dir
+
+    run_dir = Path(run_dir)
+    check_run_dir(run_dir, resume)
+    if resume:
+        _, tcfg, info = loop.read_run_files(run_dir)
+        rec = info["post"]
+        base_run, task, beta, k, reward_model, reference, n_train = (
+            rec["base"], rec["task"], rec["beta"], rec["k"], rec["reward_model"], rec["reference"], rec["n_train"])
+        lora_cfg = loop.lora_from_record(rec)
+    if task not in tasks_lib.TASKS:
+        raise ConfigError(f"task = {task!r} is invalid: RL needs a task with an exact checker and prompts: "
+                          f"{list(tasks_lib.TASKS)}")
+    beta, k = loop.check_beta(beta), check_group(k)
+    base = loop.load_base(base_run)
+    ref = base if reference is None else loop.load_base(reference)
+    loop.check_same_model(base, ref, "reference")
+    rm = None
+    if reward_model is not None:
+        rm = load_reward_model(reward_model)
+        if rm.tok.fingerprint() != base.tok.fingerprint():
+            raise ConfigError(f"the reward model {reward_model} has a different tokenizer from the policy's "
+                              f"({base.run}): it cannot score the policy's token ids")
+    frozen = {"reference": ref.params, **({"base": base.params} if lora_cfg is not None else {})}
+    sampler = Sampler(base, task, tcfg, k, frozen, lora_cfg, n_train=n_train, reward_model=rm)
+    record = loop.post_record("rl", base, lora_cfg, task=task, beta=beta, k=k, n_train=n_train,
+                              reward_model=None if reward_model is None else str(Path(reward_model).resolve()),
+                              reference=None if reference is None else str(Path(reference).resolve()),
+                              kl_estimator="k1, per token, in the reward")
+    before = None if resume else eval_task(base.params, base.cfg, base.tok, task, base.template, n=eval_examples)
+    loop.start_run(run_dir, base, tcfg, record, resume)
+    log(f"rl from {base.run} (step {base.step}) on {task}: {tcfg.batch_size} prompts × {k} replies per step, "
+        f"β = {beta:g}, reward from {'the checker' if rm is None else rm.run}; {'LoRA' if lora_cfg else 'full'}")
+
+    def evaluate(trainable):
+        params = loop.policy_params(trainable, frozen, lora_cfg)
+        return {"heldout_accuracy": eval_task(params, base.cfg, base.tok, task, base.template, n=eval_examples)["accuracy"]}
+
+    out = loop.post_loop(run_dir, base.cfg, tcfg, loop.initial_trainable(base, lora_cfg, tcfg.seed), frozen,
+                         make_loss(base.cfg, beta, k, lora_cfg), sampler, evaluate=evaluate, resume=resume,
+                         show_progress=show_progress, log=log)
+    summary = {"steps": tcfg.steps, "wall_seconds": out["wall_seconds"], **out["eval"],
+               **{key: out["last"].get(key) for key in ("reward", "accuracy", "kl", "response_length")}}
+    if before is not None:
+        summary["base_heldout_accuracy"] = before["accuracy"]
+    return loop.write_summary(run_dir, summary)
