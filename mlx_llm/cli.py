@@ -134,6 +134,9 @@ def add_post_parser(pp, kind: str) -> None:
         data.add_argument("--task", choices=TASKS, help="pairs built from a task (correct vs corrupted answers)")
         pp.add_argument("--model-negatives", action="store_true",
                         help="with --task, add the base model's own wrong samples as rejected replies")
+    if kind == "dpo":
+        pp.add_argument("--nll-weight", type=float, help="α of an added chosen-reply NLL term (RPO; default 0: "
+                                                         "pure DPO)")
     if kind != "reward":
         pp.add_argument("--beta", type=float, default=PREF_BETA[kind], help="β of the KL leash (default %(default)s)")
         pp.add_argument("--reference", type=Path, help="the frozen reference run (default: --base)")
@@ -268,7 +271,7 @@ def cmd_post(args) -> int:
     from mlx_llm.post import dpo, reward, rl
 
     kind, show = args.command, not args.no_progress
-    specific = {"reward": ("data", "task"), "dpo": ("data", "task", "reference"),
+    specific = {"reward": ("data", "task"), "dpo": ("data", "task", "reference", "nll_weight"),
                 "rl": ("task", "reward_model", "reference")}[kind]
     if args.resume:
         given = (args.base, args.train_examples, args.lora_rank) + tuple(getattr(args, k) for k in specific) + tuple(
@@ -294,7 +297,7 @@ def cmd_post(args) -> int:
         common.update(beta=args.beta, reference=args.reference)
     if kind == "dpo":
         if not args.resume:
-            common.update(data=args.data, model_negatives=args.model_negatives)
+            common.update(data=args.data, model_negatives=args.model_negatives, nll_weight=args.nll_weight or 0.0)
         summary = dpo.dpo_run(args.out, eval_examples=args.eval_examples, **common)
         print(f"run: {args.out}; held-out pairs: preference accuracy {summary['val_accuracy']:.1%}, implicit reward "
               f"margin {summary['val_margin']:.4f}, loss {summary['val_loss']:.4f}")

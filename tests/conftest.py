@@ -4,6 +4,15 @@ Tests of float32 / bfloat16 paths pass explicit dtypes. The library itself never
 """
 
 import jax
+import pytest
 
 jax.config.update("jax_enable_x64", True)
 jax.config.update("jax_platforms", "cpu")
+
+
+@pytest.fixture(scope="session")
+def base_run(tmp_path_factory):
+    """A tiny byte-level pretrained run (tests/tiny_runs.py), shared by the fine-tuning tests."""
+    from tiny_runs import pretrain
+
+    return pretrain(tmp_path_factory.mktemp("base"))

@@ -1,6 +1,10 @@
-"""The real `mlx-llm` entry point in a subprocess: user errors give one line, exit 2, and touch nothing."""
+"""The `mlx-llm` command: user errors give one line, exit 2, and touch nothing. Runs that train go through the real
+entry point in a subprocess; the error cases call ``cli.main`` in this process (the same code below the
+``__main__`` guard, without a ~2 s interpreter start per case), and a few of them also go through a subprocess."""
 
+import contextlib
 import hashlib
+import io
 import json
 import os
 import subprocess
@@ -16,6 +20,19 @@ def cli(*args, env_extra=None, timeout=600, stdin=None):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env_extra or {})}
     return subprocess.run([sys.executable, "-m", "mlx_llm", *map(str, args)], capture_output=True, text=True,
                           env=env, timeout=timeout, cwd=REPO, input=stdin)
+
+
+def cli_in_process(*args):
+    """``mlx_llm.cli.main`` with captured output, as a CompletedProcess."""
+    from mlx_llm import cli as cli_lib
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli_lib.main([str(a) for a in args])
+        except SystemExit as exc:  # argparse errors exit
+            code = exc.code
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def snapshot(root: Path) -> dict:
@@ -102,10 +119,17 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("args, message", CASES, ids=[" ".join(c[0][:3]) for c in CASES])
-def test_user_errors(workspace, args, message):
+# an empty corpus, an argparse error, a bad data file: also through the real entry point
+SUBPROCESS_CASES = {i for i, (args, _) in enumerate(CASES)
+                    if args[:3] == ["train", "--data", "{ws}/empty"] or "--bogus" in args or "{ws}/sft4" in args}
+
+
+@pytest.mark.parametrize("args, message, run", [(a, m, cli_in_process) for a, m in CASES]
+                         + [(CASES[i][0], CASES[i][1], cli) for i in sorted(SUBPROCESS_CASES)],
+                         ids=[" ".join(c[0][:3]) for c in CASES] + [f"subprocess {i}" for i in sorted(SUBPROCESS_CASES)])
+def test_user_errors(workspace, args, message, run):
     before = snapshot(workspace)
-    proc = cli(*[a.format(ws=workspace) for a in args])
+    proc = run(*[a.format(ws=workspace) for a in args])
     assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
     err = proc.stderr.strip()
     assert "Traceback" not in proc.stderr

@@ -9,37 +9,16 @@ import jax
 import numpy as np
 import pytest
 
-from mlx_llm import ModelConfig, forward
+from mlx_llm import forward
 from mlx_llm.config import TrainConfig
 from mlx_llm.errors import ConfigError, DataError
 from mlx_llm.post.chat import ChatTemplate
 from mlx_llm.post.lora import LoRAConfig
 from mlx_llm.post.sft import eval_task, load_sft_params, merge_run, pack, sft_run
 from mlx_llm.train.checkpoint import read_run_files
-from mlx_llm.train.run import DataSpec, load_params, train_run
+from mlx_llm.train.run import load_params
 from mlx_llm.train.tokenizer import ByteTokenizer
-
-BASE_CFG = ModelConfig(vocab_size=263, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_head=16, d_ff=128,
-                       max_seq_len=64)
-SFT = dict(batch_size=16, seq_len=64, lr=3e-3, warmup_steps=10, weight_decay=0.0)
-
-
-@pytest.fixture(scope="module")
-def base_run(tmp_path_factory):
-    """A tiny byte-level model pretrained briefly on lines of arithmetic-looking code."""
-    root = tmp_path_factory.mktemp("sft")
-    corpus = root / "corpus"
-    corpus.mkdir()
-    rng = np.random.default_rng(0)
-    for i in range(8):
-        (corpus / f"m{i}.py").write_text("".join(f"x = {rng.integers(100)} + {rng.integers(100)}\n"
-                                                 for _ in range(300)))
-    tcfg = TrainConfig(batch_size=8, seq_len=32, steps=20, lr=3e-3, warmup_steps=2, eval_interval=20,
-                       eval_tokens=256, checkpoint_interval=20)
-    spec = DataSpec(path=str(corpus), extensions=(".py",), val_percent=20.0, tokenizer="byte")
-    train_run(root / "base", BASE_CFG, tcfg, spec, show_progress=False, cache_dir=root / "cache", sample_tokens=4,
-              log=lambda *a: None)
-    return root / "base"
+from tiny_runs import BASE_CFG, SFT
 
 
 def test_pack_keeps_conversations_apart():

@@ -12,7 +12,7 @@ computed in the same step with no gradient through them.
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 from pathlib import Path
 
 import jax
@@ -57,14 +57,21 @@ def pair_logprobs(params, cfg, batch):
     return lp[:n], lp[n:]
 
 
-def make_loss(cfg, beta: float, lora_cfg):
-    """(trainable, frozen, batch) → (mean DPO loss, {margin, accuracy, chosen/rejected implicit rewards})."""
+@functools.lru_cache(maxsize=16)  # one function per setting: its jitted update compiles once
+def make_loss(cfg, beta: float, lora_cfg, nll_weight: float = 0.0):
+    """(trainable, frozen, batch) → (mean DPO loss, {margin, accuracy, chosen/rejected implicit rewards}).
+
+    ``nll_weight`` α > 0 adds α · (−ℓ_θ(y⁺|c) / |y⁺|), the chosen reply's mean token NLL (the RPO loss of Pang et
+    al. 2024, "Iterative Reasoning Preference Optimization"): pure DPO (α = 0, the default) can lower ℓ_θ(y⁺)
+    when y⁺ and y⁻ differ in a token or two (Pal et al. 2024, "Smaug"), which is exactly what a wrong digit is."""
 
     def loss_fn(trainable, frozen, batch):
         ref_c, ref_r = jax.lax.stop_gradient(pair_logprobs(frozen["reference"], cfg, batch))
         lp_c, lp_r = pair_logprobs(loop.policy_params(trainable, frozen, lora_cfg), cfg, batch)
         m = margin(lp_c, lp_r, ref_c, ref_r, beta)
-        return jnp.mean(loss_from_margin(m)), {
+        n_chosen = jnp.sum(batch["chosen"]["target"][:, 1:], axis=-1)
+        nll = jnp.mean(-lp_c / n_chosen) if nll_weight else 0.0
+        return jnp.mean(loss_from_margin(m)) + nll_weight * nll, {
             "margin": jnp.mean(m), "accuracy": jnp.mean((m > 0).astype(m.dtype)),
             "reward_chosen": beta * jnp.mean(lp_c - ref_c), "reward_rejected": beta * jnp.mean(lp_r - ref_r)}
 
@@ -106,8 +113,9 @@ def pair_data(base: loop.Base, tcfg: TrainConfig, *, data=None, task=None, n_tra
 
 def dpo_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, beta: float = 0.1, data=None, task=None,
             reference=None, lora_cfg: lora_lib.LoRAConfig | None = None, n_train: int | None = None,
-            model_negatives: bool = False, eval_examples: int | None = 200, resume: bool = False,
-            show_progress: bool = True, log=print) -> dict:
+            model_negatives: bool = False, nll_weight: float = 0.0, eval_examples: int | None = 200,
+            resume: bool = False,
+            show_progress: bool = True, max_seconds: float | None = None, log=print) -> dict:
     """DPO from ``base_run`` (the policy's start, and the reference unless ``reference`` names another run with
     the same tokenizer and config) on pairs of ``data`` or ``task``; with a task, held-out exact match before and
     after. Everything is checked before the run directory is created."""
@@ -120,9 +128,12 @@ def dpo_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, beta: fl
         _, tcfg, info = loop.read_run_files(run_dir)
         rec = info["post"]
         base_run, beta, data, task, reference = rec["base"], rec["beta"], rec["data"], rec["task"], rec["reference"]
-        n_train, model_negatives = rec["n_train"], rec["model_negatives"]
+        n_train, model_negatives, nll_weight = rec["n_train"], rec["model_negatives"], rec["nll_weight"]
         lora_cfg = loop.lora_from_record(rec)
     beta = loop.check_beta(beta)
+    if isinstance(nll_weight, bool) or not isinstance(nll_weight, (int, float)) or not nll_weight >= 0 \
+            or nll_weight == float("inf"):
+        raise ConfigError(f"nll_weight = {nll_weight!r} is invalid: it must be a finite number ≥ 0 (0: pure DPO)")
     base = loop.load_base(base_run)
     ref = base if reference is None else loop.load_base(reference)
     loop.check_same_model(base, ref, "reference")
@@ -133,19 +144,19 @@ def dpo_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, beta: fl
     record = loop.post_record("dpo", base, lora_cfg, beta=beta, task=task, n_train=n_train,
                               data=None if data is None else str(Path(data).resolve()),
                               reference=None if reference is None else str(Path(reference).resolve()),
-                              model_negatives=model_negatives)
+                              model_negatives=model_negatives, nll_weight=nll_weight)
     trainable = loop.initial_trainable(base, lora_cfg, tcfg.seed)
     frozen = {"reference": ref.params, **({"base": base.params} if lora_cfg is not None else {})}
     before = (eval_task(base.params, base.cfg, base.tok, task, base.template, n=eval_examples)
               if task is not None and not resume else None)
     loop.start_run(run_dir, base, tcfg, record, resume)
-    log(f"dpo from {base.run} (step {base.step}), β = {beta:g}: {len(data_.train):,} train pairs, "
+    log(f"dpo from {base.run} (step {base.step}), β = {beta:g}, NLL weight {nll_weight:g}: {len(data_.train):,} train pairs, "
         f"{len(data_.val):,} held out; {'LoRA' if lora_cfg else 'full'}")
-    out = loop.post_loop(run_dir, base.cfg, tcfg, trainable, frozen, make_loss(base.cfg, beta, lora_cfg),
+    out = loop.post_loop(run_dir, base.cfg, tcfg, trainable, frozen, make_loss(base.cfg, beta, lora_cfg, nll_weight),
                          lambda s, _: (data_.train_batch(s, tcfg.batch_size, tcfg.seed), {}),
                          evaluate=make_eval(base.cfg, beta, lora_cfg, frozen, data_, tcfg.batch_size),
-                         resume=resume, show_progress=show_progress, log=log)
-    summary = {"steps": tcfg.steps, "wall_seconds": out["wall_seconds"], **out["eval"]}
+                         resume=resume, show_progress=show_progress, max_seconds=max_seconds, log=log)
+    summary = {"steps": out["steps"], "wall_seconds": out["wall_seconds"], **out["eval"]}
     if task is not None:
         params = loop.policy_params(out["state"].params, frozen, lora_cfg)
         summary["heldout_accuracy"] = eval_task(params, base.cfg, base.tok, task, base.template, n=eval_examples)["accuracy"]

@@ -12,6 +12,7 @@ RL's on-policy samples included.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import time
@@ -20,7 +21,6 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from mlx_llm.config import ModelConfig, TrainConfig
@@ -118,6 +118,7 @@ def initial_trainable(base: Base, lora_cfg, seed: int):
     return lora_lib.init(base.params, lora_cfg, jax.random.key(seed))
 
 
+@functools.lru_cache(maxsize=16)
 def make_update(loss_fn: LossFn, tcfg: TrainConfig) -> Callable:
     """(state, frozen, batch) → (state, metrics): ∇ of ``loss_fn`` w.r.t. the trainable tree, clipped AdamW."""
     optimizer, schedule = optimizer_for(tcfg), schedule_for(tcfg)
@@ -148,10 +149,12 @@ def _truncate(path: Path, last_step: int) -> None:
 
 def post_loop(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, trainable, frozen, loss_fn: LossFn,
               batch_fn: Callable, *, evaluate: Callable | None = None, resume: bool, show_progress: bool,
-              log=print) -> dict:
+              max_seconds: float | None = None, log=print) -> dict:
     """Train ``trainable`` for ``tcfg.steps`` updates of ``loss_fn``; ``batch_fn(step, trainable) → (batch, host
     metrics)``. Every step's metrics go to metrics.jsonl (a non-finite loss stops the run before any checkpoint
-    of it); ``evaluate(trainable) → dict`` runs every ``eval_interval`` steps and at the end."""
+    of it); ``evaluate(trainable) → dict`` runs every ``eval_interval`` steps and at the end. ``max_seconds``
+    ends the run early (checkpoint and evaluation included) after the step that reaches that much loop time:
+    equal-time comparisons."""
     from mlx_llm.train.run import TrainingDiverged, _progress_bar
 
     state = init_state(cfg, tcfg, optimizer_for(tcfg), trainable)
@@ -174,26 +177,26 @@ def post_loop(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, trainable, fro
                                    f"{ckpts.latest_step()}")
         rows, last = [row], row
         done = s + 1
-        if evaluate is not None and (done % tcfg.eval_interval == 0 or done == tcfg.steps):
+        final = done == tcfg.steps or (max_seconds is not None and time.perf_counter() - t0 >= max_seconds)
+        if evaluate is not None and (done % tcfg.eval_interval == 0 or final):
             result = evaluate(state.params)
             rows.append({"step": done, **result})
             bar.write(f"step {done}: " + ", ".join(f"{k} {v:.4g}" for k, v in result.items()))
         _append(metrics_path, rows)
         bar.set_postfix(loss=f"{row['loss']:.3f}")
         bar.update(1)
-        if done % tcfg.checkpoint_interval == 0 or done == tcfg.steps:
+        if done % tcfg.checkpoint_interval == 0 or final:
             ckpts.save(done, state)
+        if final:
+            break
     bar.close()
     ckpts.close()
     if evaluate is not None and not result:
         result = evaluate(state.params)
-    return {"state": state, "last": last, "eval": result, "wall_seconds": time.perf_counter() - t0}
+    return {"state": state, "last": last, "eval": result, "wall_seconds": time.perf_counter() - t0,
+            "steps": int(state.step)}
 
 
 def write_summary(run_dir: Path, summary: dict) -> dict:
     (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     return summary
-
-
-def numpy_tree(tree):
-    return jax.tree.map(np.asarray, tree)

@@ -124,8 +124,9 @@ def _pair(example: dict, rejected: str) -> dict:
 def task_pairs(task: str, split: str, *, n: int | None = None, seed: int = 0, policy=None,
                max_new_tokens: int | None = None) -> list[dict]:
     """One pair per example of ``tasks.examples(task, split, n=n, seed=seed)``: the correct answer against a
-    corruption. With ``policy = (params, cfg, tok, template)`` the model also answers each prompt once at
-    temperature 1 and every wrong, non-empty reply adds a pair (chosen: the correct answer; rejected: it)."""
+    corruption. With ``policy = (params, cfg, tok, template)`` the model also answers each prompt twice, greedily
+    (its current answer) and at temperature 1, and every distinct wrong, non-empty reply adds a pair (chosen: the
+    correct answer; rejected: it)."""
     examples = tasks_lib.examples(task, split, n=n, seed=seed)
     rng = np.random.default_rng([seed, 7])
     names = sorted({e["answer"] for e in examples}) if task == "name_function" else None
@@ -134,10 +135,14 @@ def task_pairs(task: str, split: str, *, n: int | None = None, seed: int = 0, po
         from mlx_llm.post.sft import REPLY_TOKENS, sample_replies
 
         params, cfg, tok, template = policy
-        replies = sample_replies(params, cfg, tok, template, [tasks_lib.prompt_messages(e) for e in examples],
-                                 max_new_tokens or REPLY_TOKENS[task], temperature=1.0, seed=seed)
-        pairs += [_pair(e, text.strip()) for e, (_, text) in zip(examples, replies)
-                  if text.strip() and not tasks_lib.check(task, text, e["answer"])]
+        prompts = [tasks_lib.prompt_messages(e) for e in examples]
+        n_new = max_new_tokens or REPLY_TOKENS[task]
+        replies = [sample_replies(params, cfg, tok, template, prompts, n_new, temperature=t, seed=seed)
+                   for t in (None, 1.0)]
+        for e, greedy, sampled in zip(examples, *replies):
+            wrong = {text.strip() for _, text in (greedy, sampled)
+                     if text.strip() and not tasks_lib.check(task, text, e["answer"])}
+            pairs += [_pair(e, text) for text in sorted(wrong)]
     return pairs
 
 
@@ -154,6 +159,12 @@ def pad_sequences(seqs, width: int, pad_id: int) -> dict[str, np.ndarray]:
         out["target"][b, :len(ids)] = target
         out["length"][b] = len(ids)
     return out
+
+
+def batch_width(longest: int, limit: int, multiple: int = 16) -> int:
+    """The padded width of a run's batches: its longest sequence rounded up to ``multiple`` (one compiled shape,
+    little padding), at most ``limit`` (seq_len)."""
+    return min(limit, -(-longest // multiple) * multiple)
 
 
 def concat_sequences(a: dict, b: dict) -> dict:
@@ -187,7 +198,7 @@ class PairData:
         if longest > width:
             raise DataError(f"pairs of up to {longest} tokens do not fit seq_len = {width}; nothing is truncated: "
                             f"raise --seq-len")
-        return cls(enc[0], enc[1], width, tok.pad_id)
+        return cls(enc[0], enc[1], batch_width(longest, width), tok.pad_id)
 
     def _batch(self, pairs) -> dict:
         return {side: pad_sequences([p[k] for p in pairs], self.width, self.pad_id) for k, side in enumerate(SIDES)}

@@ -13,6 +13,7 @@ starts at zero (every pair at ln 2). A reward run's parameters are ``{"model": t
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,7 @@ def pair_rewards(params, head_D, cfg, batch):
     return r[:n], r[n:]
 
 
+@functools.lru_cache(maxsize=16)  # one function per setting: its jitted update compiles once
 def make_loss(cfg: ModelConfig, lora_cfg):
     def loss_fn(trainable, frozen, batch):
         params = loop.policy_params(trainable["model"], frozen, lora_cfg)
@@ -95,7 +97,8 @@ def make_eval(cfg, lora_cfg, frozen, data: pairs_lib.PairData, batch_size: int):
 # ----- runs ---------------------------------------------------------------------------------------------------
 def reward_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, data=None, task=None,
                lora_cfg: lora_lib.LoRAConfig | None = None, n_train: int | None = None,
-               model_negatives: bool = False, resume: bool = False, show_progress: bool = True, log=print) -> dict:
+               model_negatives: bool = False, resume: bool = False, show_progress: bool = True,
+               max_seconds: float | None = None, log=print) -> dict:
     """Train a reward model from ``base_run`` on the pairs of ``data`` or ``task`` (``model_negatives``: add the
     base's own wrong samples as rejected replies); prints and returns held-out preference accuracy."""
     from mlx_llm.post.dpo import pair_data
@@ -125,8 +128,8 @@ def reward_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, data=
     out = loop.post_loop(run_dir, base.cfg, tcfg, trainable, frozen, make_loss(base.cfg, lora_cfg),
                          lambda s, _: (data_.train_batch(s, tcfg.batch_size, tcfg.seed), {}),
                          evaluate=make_eval(base.cfg, lora_cfg, frozen, data_, tcfg.batch_size),
-                         resume=resume, show_progress=show_progress, log=log)
-    return loop.write_summary(run_dir, {"steps": tcfg.steps, "wall_seconds": out["wall_seconds"], **out["eval"]})
+                         resume=resume, show_progress=show_progress, max_seconds=max_seconds, log=log)
+    return loop.write_summary(run_dir, {"steps": out["steps"], "wall_seconds": out["wall_seconds"], **out["eval"]})
 
 
 @dataclasses.dataclass

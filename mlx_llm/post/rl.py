@@ -20,6 +20,7 @@ gradient of the *forward* KL(π_ref ‖ π), whose optimum is not π*.)
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import jax
@@ -100,6 +101,7 @@ def train_bandit(pi_ref, rewards, beta, *, k: int = 16, steps: int = 4000, lr: f
 
 
 # ----- in a language model ------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=16)  # one function per setting: its jitted update compiles once
 def make_loss(cfg, beta: float, k: int, lora_cfg):
     """(trainable, frozen, batch) → (loss, metrics): batch holds P·K sampled replies (grouped by prompt) as
     sequences and their rewards."""
@@ -111,6 +113,29 @@ def make_loss(cfg, beta: float, k: int, lora_cfg):
         return leashed_loss(logp.reshape(-1, k), logp_ref.reshape(-1, k), batch["reward"].reshape(-1, k), beta)
 
     return loss_fn
+
+
+def reply_sequences(prompt_ids, replies, width: int, pad_id: int) -> dict:
+    """Prompt ids followed by the sampled reply ids, the reply flagged as the response (``pad_sequences``)."""
+    return pairs_lib.pad_sequences([(np.concatenate([p, ids]), np.r_[np.zeros(len(p)), np.ones(len(ids))])
+                                    for p, (ids, _) in zip(prompt_ids, replies)], width, pad_id)
+
+
+_logprobs = jax.jit(pairs_lib.response_logprobs, static_argnums=1)
+
+
+def sampled_kl(policy, reference, base: loop.Base, prompts, max_new_tokens: int, *, seed: int = 0) -> float:
+    """KL(π ‖ π_ref) over ``prompts`` (message lists), estimated from one reply per prompt drawn from π at
+    temperature 1: the mean of Σ_t log π − log π_ref over the reply's tokens (k1; unbiased)."""
+    from mlx_llm.post.sft import sample_replies
+
+    replies = sample_replies(policy, base.cfg, base.tok, base.template, prompts, max_new_tokens, temperature=1.0,
+                             seed=seed)
+    ids = [base.template.encode(m, base.tok, generation_prompt=True)[0] for m in prompts]
+    width = max(len(p) for p in ids) + max_new_tokens
+    seqs = jax.tree.map(jnp.asarray, reply_sequences(ids, replies, width, base.tok.pad_id))
+    seqs = {"ids": seqs["ids"], "target": seqs["target"]}
+    return float(jnp.mean(_logprobs(policy, base.cfg, seqs) - _logprobs(reference, base.cfg, seqs)))
 
 
 class Sampler:
@@ -131,6 +156,7 @@ class Sampler:
         if longest > tcfg.seq_len:
             raise ConfigError(f"{task} prompts + {self.max_new} reply tokens need seq_len ≥ {longest}, got "
                               f"{tcfg.seq_len}")
+        self.width = pairs_lib.batch_width(longest, tcfg.seq_len)
 
     def prompt_indices(self, step: int) -> np.ndarray:
         n, p = len(self.examples), self.tcfg.batch_size
@@ -148,9 +174,7 @@ class Sampler:
         replies = sample_replies(params, base.cfg, base.tok, base.template,
                                  [tasks_lib.prompt_messages(self.examples[i]) for i in idx], self.max_new,
                                  temperature=1.0, seed=seed, batch_size=len(idx))
-        seqs = pairs_lib.pad_sequences(
-            [(np.concatenate([self.prompts[i], ids]), np.r_[np.zeros(len(self.prompts[i])), np.ones(len(ids))])
-             for i, (ids, _) in zip(idx, replies)], self.tcfg.seq_len, base.tok.pad_id)
+        seqs = reply_sequences([self.prompts[i] for i in idx], replies, self.width, base.tok.pad_id)
         correct = np.array([tasks_lib.check(self.task, text, self.examples[i]["answer"])
                             for i, (_, text) in zip(idx, replies)], np.float32)
         reward = correct if self.reward_model is None else np.asarray(self.reward_model.score(seqs), np.float32)
@@ -162,7 +186,7 @@ class Sampler:
 def rl_run(run_dir, base_run=None, *, task: str | None = None, tcfg: TrainConfig | None = None, beta: float = 0.05,
            k: int = 8, reward_model=None, reference=None, lora_cfg: lora_lib.LoRAConfig | None = None,
            n_train: int | None = None, eval_examples: int | None = 200, resume: bool = False,
-           show_progress: bool = True, log=print) -> dict:
+           show_progress: bool = True, max_seconds: float | None = None, log=print) -> dict:
     """KL-leashed on-policy RL from ``base_run`` on ``task`` (``tcfg.batch_size`` prompts × ``k`` replies per step),
     rewarded by the task's checker or by ``reward_model`` (a reward run with the policy's tokenizer); the
     reference is the base unless ``reference`` names another run. Held-out exact match before and after."""
@@ -208,8 +232,8 @@ def rl_run(run_dir, base_run=None, *, task: str | None = None, tcfg: TrainConfig
 
     out = loop.post_loop(run_dir, base.cfg, tcfg, loop.initial_trainable(base, lora_cfg, tcfg.seed), frozen,
                          make_loss(base.cfg, beta, k, lora_cfg), sampler, evaluate=evaluate, resume=resume,
-                         show_progress=show_progress, log=log)
-    summary = {"steps": tcfg.steps, "wall_seconds": out["wall_seconds"], **out["eval"],
+                         show_progress=show_progress, max_seconds=max_seconds, log=log)
+    summary = {"steps": out["steps"], "wall_seconds": out["wall_seconds"], **out["eval"],
                **{key: out["last"].get(key) for key in ("reward", "accuracy", "kl", "response_length")}}
     if before is not None:
         summary["base_heldout_accuracy"] = before["accuracy"]

@@ -1,0 +1,185 @@
+"""Preference learning from an SFT run, for the same wall time each (U19 §11–§13, M20 §16): on-policy RL with the
+task's checker as reward, RL with a trained reward model as reward, and DPO; then the β sweep of the KL leash.
+
+The start is an SFT run on --task (--sft; default: `experiments/sft_tasks.py`'s recipe, the main job's model
+pretrained then fully fine-tuned for --sft-seconds). A Bradley–Terry reward model is trained from it first
+(--rm-seconds; pairs: correct answers against corruptions and the SFT model's own wrong samples). Each method then
+trains for --seconds of loop time (RL's sampling included) at a constant learning rate after warmup; DPO runs
+twice, pure (M20 §16) and with the chosen-reply NLL term (``nll_weight`` 1, RPO). Reported per
+method: held-out exact match (--eval-examples problems, greedy), KL(π ‖ π_SFT) on held-out prompts (one sampled reply
+each, k1), steps, and the per-step curves (RL: mean checker reward of its samples; DPO: train preference accuracy)
+in preference_curves.png. The β sweep trains RL (checker) for --beta-seconds per β and plots reward against KL
+(leash_frontier.png). Writes results.json into --out.
+
+    python experiments/preference.py --out runs/preference [--sft RUN] [--seconds 180]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from mlx_llm.cli import MAIN_JOB_MODEL, MAIN_JOB_TRAIN, MAIN_JOB_VOCAB, PREF_TRAIN, SFT_TRAIN
+from mlx_llm.post import loop, tasks
+from mlx_llm.post.dpo import dpo_run
+from mlx_llm.post.reward import reward_run
+from mlx_llm.post.rl import rl_run, sampled_kl
+from mlx_llm.post.sft import REPLY_TOKENS, sft_run
+from mlx_llm.train.run import DataSpec, load_params, train_run
+
+LONG = 100_000  # a step count no timed run reaches: --seconds ends it
+
+
+def timed(tcfg, **changes):
+    """A constant learning rate after warmup (final fraction 1), evaluation only at the end."""
+    return dataclasses.replace(tcfg, steps=LONG, final_lr_fraction=1.0, eval_interval=LONG,
+                               checkpoint_interval=LONG, **changes)
+
+
+def sft_start(out: Path, task: str, seconds: float) -> Path:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from sft_tasks import sft_seconds_per_step
+
+    base = out / "base"
+    if not base.exists():
+        spec = DataSpec(vocab_size=MAIN_JOB_VOCAB)
+        train_run(base, MAIN_JOB_MODEL, MAIN_JOB_TRAIN, spec, show_progress=False)
+    steps = max(SFT_TRAIN.warmup_steps + 1, int(seconds / sft_seconds_per_step(base, SFT_TRAIN, task, None)))
+    run = out / "sft"
+    if not run.exists():
+        sft_run(run, base, tcfg=dataclasses.replace(SFT_TRAIN, steps=steps, eval_interval=steps,
+                                                    checkpoint_interval=steps), task=task, show_progress=False)
+    return run
+
+
+def heldout_kl(run: Path, sft: Path, task: str, n: int = 200) -> float:
+    base = loop.load_base(sft)
+    cfg, tcfg, _ = loop.read_run_files(run)
+    prompts = [tasks.prompt_messages(e) for e in tasks.examples(task, "heldout", n=n)]
+    return sampled_kl(load_params(run, cfg, tcfg), base.params, base, prompts, REPLY_TOKENS[task], seed=1)
+
+
+def curves(run: Path, key: str) -> list:
+    rows = [json.loads(line) for line in (run / loop.METRICS_FILE).read_text().splitlines() if line]
+    return [(r["step"], r[key]) for r in rows if key in r]
+
+
+def run_curves(run: Path, name: str) -> dict:
+    keys = ("accuracy", "reward", "kl") if name.startswith("rl") else ("accuracy", "margin")
+    return {key: curves(run, key) for key in keys}
+
+
+def smooth(points, k: int | None = None):
+    steps, values = zip(*points)
+    k = k or max(1, len(values) // 30)
+    return steps[k - 1:], np.convolve(values, np.ones(k) / k, mode="valid")
+
+
+def plot(results: dict, frontier: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for name in ("rl_checker", "rl_reward_model"):
+        axes[0].plot(*smooth(results[name]["curves"]["accuracy"]), label=f"{name}: checker exact match of samples")
+    axes[0].plot(*smooth(results["rl_reward_model"]["curves"]["reward"]), "--",
+                 label="rl_reward_model: reward-model score of samples")
+    axes[0].set_xlabel("RL step")
+    axes[0].set_ylabel("per-step mean (smoothed)")
+    axes[0].legend(fontsize=8)
+    for name in ("dpo", "dpo_nll"):
+        axes[1].plot(*smooth(results[name]["curves"]["accuracy"]), label=f"{name}: train preference accuracy")
+    axes[1].set_xlabel("DPO step")
+    axes[1].legend(fontsize=8)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "preference_curves.png", dpi=110)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    kl = [frontier[b]["kl"] for b in frontier]
+    rw = [frontier[b]["reward"] for b in frontier]
+    ax.plot(kl, rw, "o-")
+    for b, x, y in zip(frontier, kl, rw):
+        ax.annotate(f"β = {b}", (x, y), textcoords="offset points", xytext=(5, 5))
+    ax.set_xlabel("KL(π ‖ π_SFT) on held-out prompts (nats)")
+    ax.set_ylabel("mean checker reward of samples, last 20 steps")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "leash_frontier.png", dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--sft", type=Path, help="an SFT run on --task (default: train one into OUT)")
+    ap.add_argument("--task", default="arithmetic", choices=tasks.TASKS)
+    ap.add_argument("--sft-seconds", type=float, default=120.0)
+    ap.add_argument("--rm-seconds", type=float, default=60.0)
+    ap.add_argument("--seconds", type=float, default=180.0, help="loop time of each compared method")
+    ap.add_argument("--betas", default="0.01,0.05,0.2,1.0")
+    ap.add_argument("--beta-seconds", type=float, default=60.0)
+    ap.add_argument("--eval-examples", type=int, default=500)
+    ap.add_argument("--train-examples", type=int, default=4000, help="task problems the pairs are built from")
+    ap.add_argument("--replot", action="store_true", help="redraw OUT's plots from its runs and results.json")
+    args = ap.parse_args()
+    if args.replot:
+        results = json.loads((args.out / "results.json").read_text())
+        for name in ("rl_checker", "rl_reward_model", "dpo", "dpo_nll"):
+            results[name].pop("curve", None)
+            results[name]["curves"] = run_curves(args.out / name, name)
+        plot(results, results["leash_frontier"], args.out)
+        (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    sft = args.sft or sft_start(args.out, args.task, args.sft_seconds)
+    quiet = dict(show_progress=False, log=lambda *a: None)
+    n_eval = args.eval_examples
+    n_pairs = args.train_examples
+    rm = reward_run(args.out / "reward", sft, tcfg=timed(PREF_TRAIN["reward"]), task=args.task, model_negatives=True,
+                    n_train=n_pairs, max_seconds=args.rm_seconds, **quiet)
+    print(f"reward model: held-out preference accuracy {rm['val_accuracy']:.3f} after {rm['steps']} steps", flush=True)
+    runs = {
+        "rl_checker": lambda out, s: rl_run(out, sft, task=args.task, tcfg=timed(PREF_TRAIN["rl"]), max_seconds=s,
+                                            eval_examples=n_eval, **quiet),
+        "rl_reward_model": lambda out, s: rl_run(out, sft, task=args.task, tcfg=timed(PREF_TRAIN["rl"]),
+                                                 reward_model=args.out / "reward", max_seconds=s,
+                                                 eval_examples=n_eval, **quiet),
+        "dpo": lambda out, s: dpo_run(out, sft, task=args.task, tcfg=timed(PREF_TRAIN["dpo"]), model_negatives=True,
+                                      n_train=n_pairs, max_seconds=s, eval_examples=n_eval, **quiet),
+        "dpo_nll": lambda out, s: dpo_run(out, sft, task=args.task, tcfg=timed(PREF_TRAIN["dpo"]), nll_weight=1.0,
+                                          model_negatives=True, n_train=n_pairs, max_seconds=s,
+                                          eval_examples=n_eval, **quiet),
+    }
+    results = {"sft": str(sft), "task": args.task, "seconds": args.seconds, "reward_model": rm}
+    for name, run in runs.items():
+        summary = run(args.out / name, args.seconds)
+        results[name] = {"heldout_accuracy": summary["heldout_accuracy"],
+                         "sft_heldout_accuracy": summary["base_heldout_accuracy"], "steps": summary["steps"],
+                         "kl_to_sft": heldout_kl(args.out / name, sft, args.task),
+                         "curves": run_curves(args.out / name, name)}
+        print(f"{name}: held-out exact match {summary['base_heldout_accuracy']:.3f} → {summary['heldout_accuracy']:.3f}"
+              f", KL to SFT {results[name]['kl_to_sft']:.4f}, {summary['steps']} steps", flush=True)
+    frontier = {}
+    for beta in args.betas.split(","):
+        name = f"beta_{beta}"
+        rl_run(args.out / name, sft, task=args.task, beta=float(beta), tcfg=timed(PREF_TRAIN["rl"]),
+               max_seconds=args.beta_seconds, eval_examples=n_eval, **quiet)
+        rewards = [v for _, v in curves(args.out / name, "accuracy")]  # the checker's reward
+        frontier[beta] = {"kl": heldout_kl(args.out / name, sft, args.task), "reward": float(np.mean(rewards[-20:]))}
+        print(f"β = {beta}: KL {frontier[beta]['kl']:.4f}, reward {frontier[beta]['reward']:.3f}", flush=True)
+    results["leash_frontier"] = frontier
+    plot(results, frontier, args.out)
+    (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
