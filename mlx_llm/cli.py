@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--prompt", default="def ", help="prompt of the closing sample")
     tr.add_argument("--sample-tokens", type=int, default=200)
     tr.add_argument("--no-progress", action="store_true")
+    tr.add_argument("--time-budget", type=float, metavar="SECONDS",
+                    help="set --steps to what fits SECONDS of training loop on this machine (measured first)")
     for flag, typ in TRAIN_FLAGS.items():
         kwargs = {"compute_dtype": {"choices": COMPUTE_DTYPES},
                   "objective": {"choices": OBJECTIVES, "help": "ar (next token, default) or diffusion (masked "
@@ -169,7 +171,8 @@ def cmd_train(args) -> int:
     if args.resume:
         if args.out is None:
             raise MLXLLMError("--resume needs --out DIR, the run directory to continue")
-        given = (args.config, args.train_config, args.data) + tuple(getattr(args, k) for k in TRAIN_FLAGS)
+        given = (args.config, args.train_config, args.data, args.time_budget) + tuple(
+            getattr(args, k) for k in TRAIN_FLAGS)
         if any(v is not None for v in given):
             raise MLXLLMError("--resume continues a run exactly as it was configured: drop the other settings "
                               "(they are read from the run directory)")
@@ -180,7 +183,8 @@ def cmd_train(args) -> int:
         spec = DataSpec(path=args.data, extensions=exts, val_percent=args.val_percent, tokenizer=args.tokenizer,
                         vocab_size=args.vocab_size)
     summary = train_run(out, cfg, tcfg, spec, resume=args.resume, show_progress=not args.no_progress,
-                        cache_dir=args.cache_dir, sample_prompt=args.prompt, sample_tokens=args.sample_tokens)
+                        cache_dir=args.cache_dir, sample_prompt=args.prompt, sample_tokens=args.sample_tokens,
+                        time_budget=args.time_budget)
     print(f"run: {out}")
     bound = " (diffusion NELBO: upper bounds)" if _is_diffusion(out) else ""
     print(f"val loss {summary['val_loss']:.4f} nats/token, perplexity {summary['val_ppl']:.2f}, "
@@ -225,7 +229,6 @@ SFT_TRAIN = TrainConfig(batch_size=16, seq_len=128, steps=300, lr=1e-3, warmup_s
 
 
 def cmd_sft(args) -> int:
-    from mlx_llm.post.lora import LoRAConfig
     from mlx_llm.post.sft import sft_run
 
     show = not args.no_progress
@@ -240,17 +243,21 @@ def cmd_sft(args) -> int:
             raise MLXLLMError("sft needs --base RUN and one of --data FILE.jsonl / --task NAME")
         overrides = {k: getattr(args, k) for k in TRAIN_FLAGS if getattr(args, k, None) is not None}
         tcfg = TrainConfig(**{**SFT_TRAIN.to_dict(), **overrides})
-        lora_cfg = None if args.lora_rank is None else LoRAConfig(
-            rank=args.lora_rank, alpha=args.lora_alpha, targets=tuple(t for t in args.lora_targets.split(",") if t))
-        summary = sft_run(args.out, args.base, tcfg=tcfg, data=args.data, task=args.task, lora_cfg=lora_cfg,
+        summary = sft_run(args.out, args.base, tcfg=tcfg, data=args.data, task=args.task, lora_cfg=_lora_cfg(args),
                           n_train=args.train_examples, eval_examples=args.eval_examples, show_progress=show)
     print(f"run: {args.out}; trainable parameters {summary['trainable_params']:,}; val loss (response tokens) "
           f"{summary['val_loss']:.4f}")
+    _print_heldout(summary)
+    return 0
+
+
+def _print_heldout(summary: dict) -> None:
+    """The held-out task accuracy of a fine-tuning run's summary, and its base's when measured."""
     if "heldout_accuracy" in summary:
         before = summary.get("base_heldout_accuracy")
-        print(f"held-out exact match {summary['heldout_accuracy']:.1%} of {summary['heldout_examples']}"
+        of = f" of {summary['heldout_examples']}" if "heldout_examples" in summary else ""
+        print(f"held-out exact match {summary['heldout_accuracy']:.1%}{of}"
               + ("" if before is None else f" (base: {before:.1%})"))
-    return 0
 
 
 PREF_TRAIN = {kind: TrainConfig(batch_size=16, seq_len=128, steps=200, lr=lr, warmup_steps=10, eval_interval=100,
@@ -305,12 +312,12 @@ def cmd_post(args) -> int:
         if not args.resume:
             common.update(k=args.k, reward_model=args.reward_model)
         summary = rl.rl_run(args.out, eval_examples=args.eval_examples, **common)
-        print(f"run: {args.out}; last step: reward {summary['reward']:.3f}, KL to the reference "
-              f"{summary['kl']:.4f}, reply length {summary['response_length']:.1f}")
-    if "heldout_accuracy" in summary:
-        before = summary.get("base_heldout_accuracy")
-        print(f"held-out exact match {summary['heldout_accuracy']:.1%}"
-              + ("" if before is None else f" (base: {before:.1%})"))
+        if summary["reward"] is None:  # a resumed run that had nothing left to train
+            print(f"run: {args.out}; finished at step {summary['steps']}")
+        else:
+            print(f"run: {args.out}; last step: reward {summary['reward']:.3f}, KL to the reference "
+                  f"{summary['kl']:.4f}, reply length {summary['response_length']:.1f}")
+    _print_heldout(summary)
     return 0
 
 

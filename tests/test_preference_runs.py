@@ -121,6 +121,7 @@ def test_refusals_leave_nothing(sft_start, reward_model, base_run, tmp_path):
         (dpo_run, dict(task=TASK, beta=0.0), ConfigError, r"beta = 0.0 is invalid: it must be a finite number > 0"),
         (rl_run, dict(task=TASK, beta=-1.0), ConfigError, r"beta = -1.0 is invalid"),
         (rl_run, dict(task=TASK, k=1), ConfigError, r"k = 1 is invalid: .* k must be an integer ≥ 2"),
+        (dpo_run, dict(task=TASK, nll_weight=-1.0), ConfigError, r"nll_weight = -1.0 is invalid: it must be a finite"),
         (dpo_run, dict(data=bad), DataError, r"bad.jsonl:1: chosen must be one message with role 'assistant'"),
         (reward_run, dict(data=bad), DataError, r"bad.jsonl:1: chosen must be one message"),
         (reward_run, dict(task=TASK, data=bad), ConfigError, r"give exactly one of a pair file"),

@@ -146,6 +146,26 @@ def test_seq_len_longer_than_model_rejected(tmp_path, corpus_dir):
         run(tmp_path / "r", corpus_dir, tiny_train(seq_len=128))
 
 
+def test_time_budget_sets_the_steps_it_fits(tmp_path, corpus_dir, monkeypatch):
+    """--time-budget measures the step (here replaced by a fixed 50 ms) and trains budget / step-time steps, with
+    warmup and intervals capped to them; train_config.json records the steps, so the run resumes as any other."""
+    from mlx_llm.train import run as run_lib
+
+    monkeypatch.setattr(run_lib, "seconds_per_step", lambda cfg, tcfg, corpus: 0.05)
+    out = tmp_path / "r"
+    summary = train_run(out, TINY, tiny_train(steps=1000, warmup_steps=10, eval_interval=500), spec_for(corpus_dir),
+                        show_progress=False, cache_dir=tmp_path / "cache", sample_tokens=4, time_budget=0.2,
+                        log=lambda *a: None)
+    saved = TrainConfig.from_json(out / "train_config.json")
+    assert (saved.steps, saved.warmup_steps, saved.eval_interval, saved.checkpoint_interval) == (4, 3, 4, 3)
+    assert summary["steps"] == 4 and Checkpoints(out).latest_step() == 4
+    for bad in (0.0, -5.0, float("nan")):
+        with pytest.raises(ConfigError, match=r"time budget = .* s is invalid: it must be a positive number"):
+            train_run(tmp_path / "bad", TINY, tiny_train(), spec_for(corpus_dir), show_progress=False,
+                      cache_dir=tmp_path / "cache", time_budget=bad, log=lambda *a: None)
+        assert not (tmp_path / "bad").exists()
+
+
 def test_segment_mask_isolates_documents_in_a_training_window(corpus_dir):
     """A token's logits do not change when another document in the same packed window changes."""
     from mlx_llm.train.data import pack_windows

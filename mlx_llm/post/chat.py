@@ -110,10 +110,9 @@ def check_messages(messages, *, require_assistant: bool = True) -> None:
         raise InputError("the conversation has no assistant turn: there is nothing to learn from it")
 
 
-def read_conversations(path, tok: Tokenizer, template: ChatTemplate, max_len: int):
-    """Every conversation of a JSONL file, encoded: a list of (ids, target). Bad data is refused with the file,
-    line and reason (not JSON, not a conversation, unknown role, empty content, no assistant turn); conversations
-    longer than ``max_len`` ids are never truncated: the error says how many and which line is the first."""
+def jsonl_records(path):
+    """(line number, parsed object) of each non-blank line of a UTF-8 JSONL file; DataError names the file (and
+    line) when it is missing, not UTF-8 or a line is not JSON."""
     path = Path(path)
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -121,14 +120,20 @@ def read_conversations(path, tok: Tokenizer, template: ChatTemplate, max_len: in
         raise DataError(f"{path}: no such file") from None
     except UnicodeDecodeError as err:
         raise DataError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
-    out, too_long = [], []
     for n, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise DataError(f"{path}:{n}: not JSON ({err.msg})") from None
+        if line.strip():
+            try:
+                yield n, json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{path}:{n}: not JSON ({err.msg})") from None
+
+
+def read_conversations(path, tok: Tokenizer, template: ChatTemplate, max_len: int):
+    """Every conversation of a JSONL file, encoded: a list of (ids, target). Bad data is refused with the file,
+    line and reason (not JSON, not a conversation, unknown role, empty content, no assistant turn); conversations
+    longer than ``max_len`` ids are never truncated: the error says how many and which line is the first."""
+    out, too_long = [], []
+    for n, record in jsonl_records(path):
         if not isinstance(record, dict) or "messages" not in record:
             raise DataError(f"{path}:{n}: expected an object with a 'messages' list")
         try:

@@ -13,6 +13,7 @@ computed in the same step with no gradient through them.
 from __future__ import annotations
 
 import functools
+import math
 from pathlib import Path
 
 import jax
@@ -24,7 +25,6 @@ from mlx_llm.errors import ConfigError
 from mlx_llm.post import loop
 from mlx_llm.post import lora as lora_lib
 from mlx_llm.post import pairs as pairs_lib
-from mlx_llm.post import tasks as tasks_lib
 
 
 # ----- the equations ------------------------------------------------------------------------------------------
@@ -97,25 +97,10 @@ def make_eval(cfg, beta, lora_cfg, frozen, data: pairs_lib.PairData, batch_size:
 
 
 # ----- runs ---------------------------------------------------------------------------------------------------
-def pair_data(base: loop.Base, tcfg: TrainConfig, *, data=None, task=None, n_train=None, model_negatives=False):
-    """Train / held-out pairs of a JSONL file (5 % held out by hash) or of a task (train / heldout splits)."""
-    if (data is None) == (task is None):
-        raise ConfigError(f"give exactly one of a pair file (--data FILE.jsonl) and a task (--task NAME: "
-                          f"{list(tasks_lib.TASKS)})")
-    if task is not None:
-        policy = (base.params, base.cfg, base.tok, base.template) if model_negatives else None
-        train = pairs_lib.task_pairs(task, "train", n=n_train, seed=tcfg.seed, policy=policy)
-        val = pairs_lib.task_pairs(task, "heldout", n=200, seed=tcfg.seed)
-    else:
-        train, val = pairs_lib.split_pairs(pairs_lib.read_pairs(data))
-    return pairs_lib.PairData.build(train, val, base.tok, base.template, tcfg.seq_len)
-
-
 def dpo_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, beta: float = 0.1, data=None, task=None,
             reference=None, lora_cfg: lora_lib.LoRAConfig | None = None, n_train: int | None = None,
             model_negatives: bool = False, nll_weight: float = 0.0, eval_examples: int | None = 200,
-            resume: bool = False,
-            show_progress: bool = True, max_seconds: float | None = None, log=print) -> dict:
+            resume: bool = False, show_progress: bool = True, max_seconds: float | None = None, log=print) -> dict:
     """DPO from ``base_run`` (the policy's start, and the reference unless ``reference`` names another run with
     the same tokenizer and config) on pairs of ``data`` or ``task``; with a task, held-out exact match before and
     after. Everything is checked before the run directory is created."""
@@ -131,8 +116,7 @@ def dpo_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, beta: fl
         n_train, model_negatives, nll_weight = rec["n_train"], rec["model_negatives"], rec["nll_weight"]
         lora_cfg = loop.lora_from_record(rec)
     beta = loop.check_beta(beta)
-    if isinstance(nll_weight, bool) or not isinstance(nll_weight, (int, float)) or not nll_weight >= 0 \
-            or nll_weight == float("inf"):
+    if isinstance(nll_weight, bool) or not isinstance(nll_weight, (int, float)) or not 0 <= nll_weight < math.inf:
         raise ConfigError(f"nll_weight = {nll_weight!r} is invalid: it must be a finite number ≥ 0 (0: pure DPO)")
     base = loop.load_base(base_run)
     ref = base if reference is None else loop.load_base(reference)
@@ -140,7 +124,7 @@ def dpo_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, beta: fl
     if tcfg.seq_len > base.cfg.max_seq_len:
         raise ConfigError(f"seq_len = {tcfg.seq_len} is longer than the base model's max_seq_len = "
                           f"{base.cfg.max_seq_len}")
-    data_ = pair_data(base, tcfg, data=data, task=task, n_train=n_train, model_negatives=model_negatives)
+    data_ = pairs_lib.load_pairs(base, tcfg, data=data, task=task, n_train=n_train, model_negatives=model_negatives)
     record = loop.post_record("dpo", base, lora_cfg, beta=beta, task=task, n_train=n_train,
                               data=None if data is None else str(Path(data).resolve()),
                               reference=None if reference is None else str(Path(reference).resolve()),

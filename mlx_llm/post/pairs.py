@@ -24,11 +24,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from mlx_llm.config import ModelConfig
-from mlx_llm.errors import DataError, InputError
+from mlx_llm.errors import ConfigError, DataError, InputError
 from mlx_llm.model import forward
 from mlx_llm.objectives.loss import sequence_log_likelihood
 from mlx_llm.post import tasks as tasks_lib
-from mlx_llm.post.chat import ChatTemplate, check_messages
+from mlx_llm.post.chat import ChatTemplate, check_messages, jsonl_records
 from mlx_llm.train.data import val_score
 
 VAL_PERCENT = 5.0  # share of a pair file held out, by a stable hash of the pair's text
@@ -65,22 +65,10 @@ def encode_pair(record, tok, template: ChatTemplate):
 
 def read_pairs(path) -> list[dict]:
     """Every pair of a JSONL file, checked (``check_pair``); errors name the file and line."""
-    path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        raise DataError(f"{path}: no such file") from None
-    except UnicodeDecodeError as err:
-        raise DataError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
-    out = []
-    for n, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
+    path, out = Path(path), []
+    for n, record in jsonl_records(path):
         try:
-            record = json.loads(line)
             check_pair(record)
-        except json.JSONDecodeError as err:
-            raise DataError(f"{path}:{n}: not JSON ({err.msg})") from None
         except InputError as err:
             raise DataError(f"{path}:{n}: {err}") from None
         out.append(record)
@@ -216,3 +204,19 @@ class PairData:
             chunk = self.val[i:i + batch_size]
             out.append((self._batch(chunk + [chunk[0]] * (batch_size - len(chunk))), len(chunk)))
         return out
+
+
+def load_pairs(base, tcfg, *, data=None, task=None, n_train=None, model_negatives=False):
+    """``PairData`` of a JSONL file (``VAL_PERCENT`` held out by hash) or of a task (its train split, up to
+    ``n_train`` problems; 200 of its heldout split), for ``base`` (a ``loop.Base``: tokenizer, template, and the
+    model that answers when ``model_negatives``)."""
+    if (data is None) == (task is None):
+        raise ConfigError(f"give exactly one of a pair file (--data FILE.jsonl) and a task (--task NAME: "
+                          f"{list(tasks_lib.TASKS)})")
+    if task is not None:
+        policy = (base.params, base.cfg, base.tok, base.template) if model_negatives else None
+        train = task_pairs(task, "train", n=n_train, seed=tcfg.seed, policy=policy)
+        val = task_pairs(task, "heldout", n=200, seed=tcfg.seed)
+    else:
+        train, val = split_pairs(read_pairs(data))
+    return PairData.build(train, val, base.tok, base.template, tcfg.seq_len)

@@ -101,7 +101,6 @@ def reward_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, data=
                max_seconds: float | None = None, log=print) -> dict:
     """Train a reward model from ``base_run`` on the pairs of ``data`` or ``task`` (``model_negatives``: add the
     base's own wrong samples as rejected replies); prints and returns held-out preference accuracy."""
-    from mlx_llm.post.dpo import pair_data
     from mlx_llm.train.run import check_run_dir
 
     run_dir = Path(run_dir)
@@ -116,7 +115,7 @@ def reward_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, data=
     if tcfg.seq_len > base.cfg.max_seq_len:
         raise ConfigError(f"seq_len = {tcfg.seq_len} is longer than the base model's max_seq_len = "
                           f"{base.cfg.max_seq_len}")
-    data_ = pair_data(base, tcfg, data=data, task=task, n_train=n_train, model_negatives=model_negatives)
+    data_ = pairs_lib.load_pairs(base, tcfg, data=data, task=task, n_train=n_train, model_negatives=model_negatives)
     record = loop.post_record("reward", base, lora_cfg, task=task, n_train=n_train, model_negatives=model_negatives,
                               data=None if data is None else str(Path(data).resolve()))
     trainable = {"model": loop.initial_trainable(base, lora_cfg, tcfg.seed),

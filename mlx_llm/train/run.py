@@ -27,7 +27,7 @@ from mlx_llm.layers.moe import load_imbalance, per_layer_loads
 from mlx_llm.model import check_tokens
 from mlx_llm.train.parallel import check_batch_divisible, make_mesh, replicated
 from mlx_llm.train.step import (EvalResult, device_batch, evaluate, init_state, jit_train_step, make_eval_step,
-                           optimizer_for)
+                                optimizer_for)
 
 METRICS_FILE, SUMMARY_FILE, SAMPLE_FILE, PLOT_FILE = "metrics.jsonl", "summary.json", "sample.txt", "loss.png"
 
@@ -282,9 +282,39 @@ def finalize_config(cfg: ModelConfig, tok, tcfg: TrainConfig) -> ModelConfig:
     return cfg
 
 
+def seconds_per_step(cfg: ModelConfig, tcfg: TrainConfig, corpus, rounds: int = 3) -> float:
+    """Median wall time of one jitted training step on the run's first batch, measured after compiling it."""
+    mesh = make_mesh()
+    step = jit_train_step(cfg, tcfg, mesh, corpus.tokenizer.mask_id)
+    state = jax.device_put(init_state(cfg, tcfg, optimizer_for(tcfg)), replicated(mesh))
+    batch = device_batch(corpus.train_batch(0, batch_size=tcfg.batch_size, seq_len=tcfg.seq_len, seed=tcfg.seed),
+                         mesh)
+    times = []
+    for _ in range(rounds + 1):  # the first call compiles
+        start = time.perf_counter()
+        state, m = step(state, batch)
+        jax.block_until_ready(m)
+        times.append(time.perf_counter() - start)
+    return float(np.median(times[1:]))
+
+
+def fit_time_budget(cfg: ModelConfig, tcfg: TrainConfig, corpus, seconds: float, log=print) -> TrainConfig:
+    """``tcfg`` with as many steps as fit ``seconds`` of training loop on this machine (step time measured on
+    the run's own first batch; evaluations and checkpoints not counted), warmup and intervals capped to them.
+    The schedule then decays over exactly those steps; train_config.json records them, so --resume is exact."""
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ConfigError(f"time budget = {seconds!r} s is invalid: it must be a positive number of seconds")
+    per_step = seconds_per_step(cfg, tcfg, corpus)
+    steps = max(1, int(seconds / per_step))
+    log(f"time budget {seconds:g} s at {per_step * 1e3:.0f} ms/step: {steps} steps")
+    return dataclasses.replace(tcfg, steps=steps, warmup_steps=min(tcfg.warmup_steps, max(steps - 1, 0)),
+                               eval_interval=min(tcfg.eval_interval, steps),
+                               checkpoint_interval=min(tcfg.checkpoint_interval, steps))
+
+
 def train_run(run_dir, cfg: ModelConfig | None, tcfg: TrainConfig | None, spec: DataSpec | None, *,
               resume: bool = False, show_progress: bool = True, cache_dir=None, sample_prompt: str = "def ",
-              sample_tokens: int = 200, log=print) -> dict:
+              sample_tokens: int = 200, time_budget: float | None = None, log=print) -> dict:
     """Train (or resume) the run in ``run_dir``; returns the summary dict also written to summary.json.
 
     Everything that can be checked (paths, corpus, tokenizer, configs, device split) is checked before the run
@@ -298,6 +328,10 @@ def train_run(run_dir, cfg: ModelConfig | None, tcfg: TrainConfig | None, spec: 
     cfg = finalize_config(cfg, tok, tcfg)
     check_batch_divisible(tcfg.batch_size, tcfg.grad_accum, make_mesh())
     corpus = data_lib.encode_corpus(text, tok, cache_dir)
+    if time_budget is not None:
+        if resume:
+            raise ConfigError("--time-budget sizes a new run; a resumed run keeps the steps it was given")
+        tcfg = fit_time_budget(cfg, tcfg, corpus, time_budget, log)
     if not resume:
         write_run_files(run_dir, cfg, tcfg, {"data": spec.to_dict()})
         tok.save(run_dir)
