@@ -3,11 +3,23 @@
 Tests of float32 / bfloat16 paths pass explicit dtypes. The library itself never changes jax.config.
 """
 
+import gc
+
 import jax
 import pytest
 
 jax.config.update("jax_enable_x64", True)
 jax.config.update("jax_platforms", "cpu")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_functions():
+    """Drop every compiled executable after each test module. The whole suite compiles thousands of functions in
+    one process; keeping all of them made XLA:CPU's compiler crash (SIGSEGV inside backend_compile) late in the
+    run. Functions shared within a module stay compiled; across modules they compile again."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="session")
