@@ -29,7 +29,7 @@ from mlx_llm.model import forward
 from mlx_llm.objectives.loss import sequence_log_likelihood
 from mlx_llm.post import tasks as tasks_lib
 from mlx_llm.post.chat import ChatTemplate, check_messages, jsonl_records
-from mlx_llm.train.data import val_score
+from mlx_llm.train.data import epoch_order, val_score
 
 VAL_PERCENT = 5.0  # share of a pair file held out, by a stable hash of the pair's text
 SIDES = ("chosen", "rejected")
@@ -192,10 +192,7 @@ class PairData:
         return {side: pad_sequences([p[k] for p in pairs], self.width, self.pad_id) for k, side in enumerate(SIDES)}
 
     def train_batch(self, step: int, batch_size: int, seed: int) -> dict:
-        n = len(self.train)
-        epoch_B, j_B = np.divmod(np.arange(step * batch_size, (step + 1) * batch_size), n)
-        orders = {e: np.random.default_rng([seed, int(e)]).permutation(n) for e in np.unique(epoch_B)}
-        return self._batch([self.train[orders[e][j]] for e, j in zip(epoch_B, j_B)])
+        return self._batch([self.train[i] for i in epoch_order(step, batch_size, len(self.train), seed)])
 
     def val_batches(self, batch_size: int) -> list[tuple[dict, int]]:
         """Held-out batches of ``batch_size`` pairs (the last filled with repeats) and how many are real."""

@@ -34,6 +34,7 @@ from mlx_llm.post import loop
 from mlx_llm.post import lora as lora_lib
 from mlx_llm.post import pairs as pairs_lib
 from mlx_llm.post import tasks as tasks_lib
+from mlx_llm.train.data import epoch_order
 
 
 # ----- the equations ------------------------------------------------------------------------------------------
@@ -158,17 +159,11 @@ class Sampler:
                               f"{tcfg.seq_len}")
         self.width = pairs_lib.batch_width(longest, tcfg.seq_len)
 
-    def prompt_indices(self, step: int) -> np.ndarray:
-        n, p = len(self.examples), self.tcfg.batch_size
-        epoch_B, j_B = np.divmod(np.arange(step * p, (step + 1) * p), n)
-        orders = {e: np.random.default_rng([self.tcfg.seed, int(e)]).permutation(n) for e in np.unique(epoch_B)}
-        return np.array([orders[e][j] for e, j in zip(epoch_B, j_B)])
-
     def __call__(self, step: int, trainable):
         from mlx_llm.post.sft import sample_replies
 
         base, k = self.base, self.k
-        idx = np.repeat(self.prompt_indices(step), k)
+        idx = np.repeat(epoch_order(step, self.tcfg.batch_size, len(self.examples), self.tcfg.seed), k)
         params = loop.policy_params(trainable, self.frozen, self.lora_cfg)
         seed = int(np.random.default_rng([self.tcfg.seed, step, 11]).integers(2**31))
         replies = sample_replies(params, base.cfg, base.tok, base.template,

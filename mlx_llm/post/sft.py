@@ -34,7 +34,7 @@ from mlx_llm.post import tasks as tasks_lib
 from mlx_llm.post.chat import ChatTemplate, read_conversations
 from mlx_llm.train import tokenizer as tok_lib
 from mlx_llm.train.checkpoint import Checkpoints, read_run_files, write_run_files
-from mlx_llm.train.data import ValSet, val_score
+from mlx_llm.train.data import ValSet, epoch_order, val_score
 
 REPLY_TOKENS = {"arithmetic": 8, "addition2": 8, "name_function": 40}  # new tokens eval_task allows per reply
 VAL_PERCENT = 5.0  # share of a data file's conversations held out (by a stable hash of their text)
@@ -87,10 +87,7 @@ class SFTData:
     heldout: list  # task examples (dicts) held out, for eval_task; [] for a data file
 
     def train_batch(self, step: int, *, batch_size: int, seq_len: int, seed: int) -> dict[str, np.ndarray]:
-        n_rows = self.train_rows["tokens"].shape[0]
-        epoch_B, j_B = np.divmod(np.arange(step * batch_size, (step + 1) * batch_size), n_rows)
-        orders = {e: np.random.default_rng([seed, int(e)]).permutation(n_rows) for e in np.unique(epoch_B)}
-        idx = np.array([orders[e][j] for e, j in zip(epoch_B, j_B)])
+        idx = epoch_order(step, batch_size, self.train_rows["tokens"].shape[0], seed)
         return {name: a[idx] for name, a in self.train_rows.items()}
 
     def val_batches(self, seq_len: int, batch_size: int, max_tokens: int | None = None) -> ValSet:
@@ -208,9 +205,7 @@ def sft_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, data=Non
 def load_sft_params(run_dir, step: int | None = None):
     """A fine-tuned run's model parameters: the checkpoint itself (full), or the base W₀ with its adapters
     folded in (LoRA; the base may itself be a LoRA run)."""
-    from mlx_llm.train.run import restore_params
-
-    from mlx_llm.train.run import load_params
+    from mlx_llm.train.run import load_params, restore_params
 
     run_dir = Path(run_dir)
     cfg, tcfg, info = read_run_files(run_dir)

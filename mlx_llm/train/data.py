@@ -187,6 +187,14 @@ def val_score(name: str) -> float:
     return int(hashlib.sha256(name.encode("utf-8")).hexdigest()[:8], 16) % 10000 / 100.0
 
 
+def epoch_order(step: int, batch_size: int, n: int, seed: int) -> np.ndarray:
+    """The ``batch_size`` item indices of batch ``step`` over ``n`` items: epoch e visits the items in the order
+    of a permutation drawn from (seed, e), so a batch is a function of (seed, step) alone."""
+    epoch_B, j_B = np.divmod(np.arange(step * batch_size, (step + 1) * batch_size), n)
+    orders = {e: np.random.default_rng([seed, int(e)]).permutation(n) for e in np.unique(epoch_B)}
+    return np.array([orders[e][j] for e, j in zip(epoch_B, j_B)])
+
+
 def split_documents(docs: list[Document], val_percent: float) -> tuple[list[Document], list[Document]]:
     """Deterministic train/val split by document name (see the module docstring)."""
     if isinstance(val_percent, bool) or not isinstance(val_percent, (int, float)) or not 0 < val_percent < 100:
