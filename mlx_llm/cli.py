@@ -51,7 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--tokenizer", choices=("bpe", "byte"), default="bpe")
     tr.add_argument("--vocab-size", type=int, default=MAIN_JOB_VOCAB, help="BPE vocabulary (default %(default)s)")
     tr.add_argument("--out", type=Path, help="run directory (default: runs/run-<date>-<time>)")
-    tr.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    tr.add_argument("--resume", action="store_true",
+                    help="continue the run in --out from its latest checkpoint (with --steps N: extend it to N steps)")
+    tr.add_argument("--from-step", type=int, metavar="N",
+                    help="with --resume: continue from checkpoint N, not the latest (e.g. when the latest is "
+                         "damaged); later checkpoints are renamed aside (<step>.corrupt-… / .superseded-…), not deleted")
     tr.add_argument("--cache-dir", type=Path, help="token cache (default ~/.cache/mlx_llm)")
     tr.add_argument("--prompt", default="def ", help="prompt of the closing sample")
     tr.add_argument("--sample-tokens", type=int, default=200)
@@ -166,17 +170,21 @@ def train_configs(args) -> tuple[ModelConfig, TrainConfig]:
 
 
 def cmd_train(args) -> int:
-    from mlx_llm.train.run import DataSpec, train_run
+    from mlx_llm.train.run import RESUME_MAY_CHANGE, DataSpec, train_run
 
     out = args.out or Path("runs") / time.strftime("run-%Y%m%d-%H%M%S")
+    changes = None
     if args.resume:
         if args.out is None:
             raise MLXLLMError("--resume needs --out DIR, the run directory to continue")
         given = (args.config, args.train_config, args.data, args.time_budget) + tuple(
-            getattr(args, k) for k in TRAIN_FLAGS)
+            getattr(args, k) for k in TRAIN_FLAGS if k not in RESUME_MAY_CHANGE)
         if any(v is not None for v in given):
+            may = ", ".join("--" + k.replace("_", "-") for k in sorted(RESUME_MAY_CHANGE) if k in TRAIN_FLAGS)
             raise MLXLLMError("--resume continues a run exactly as it was configured: drop the other settings "
-                              "(they are read from the run directory)")
+                              f"(they are read from the run directory; only {may} may change)")
+        changes = {k: getattr(args, k) for k in sorted(RESUME_MAY_CHANGE & TRAIN_FLAGS.keys())
+                   if getattr(args, k) is not None}
         cfg = tcfg = spec = None
     else:
         cfg, tcfg = train_configs(args)
@@ -185,7 +193,7 @@ def cmd_train(args) -> int:
                         vocab_size=args.vocab_size)
     summary = train_run(out, cfg, tcfg, spec, resume=args.resume, show_progress=not args.no_progress,
                         cache_dir=args.cache_dir, sample_prompt=args.prompt, sample_tokens=args.sample_tokens,
-                        time_budget=args.time_budget)
+                        time_budget=args.time_budget, changes=changes, from_step=args.from_step)
     print(f"run: {out}")
     bound = " (diffusion NELBO: upper bounds)" if _is_diffusion(out) else ""
     print(f"val loss {summary['val_loss']:.4f} nats/token, perplexity {summary['val_ppl']:.2f}, "

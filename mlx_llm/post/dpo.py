@@ -105,7 +105,7 @@ def dpo_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, beta: fl
     the same tokenizer and config) on pairs of ``data`` or ``task``; with a task, held-out exact match before and
     after. Everything is checked before the run directory is created."""
     from mlx_llm.post.sft import eval_task
-    from mlx_llm.train.run import check_run_dir
+    from mlx_llm.train.run import check_run_dir, locked_run_dir
 
     run_dir = Path(run_dir)
     check_run_dir(run_dir, resume)
@@ -133,17 +133,18 @@ def dpo_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, beta: fl
     frozen = {"reference": ref.params, **({"base": base.params} if lora_cfg is not None else {})}
     before = (eval_task(base.params, base.cfg, base.tok, task, base.template, n=eval_examples)
               if task is not None and not resume else None)
-    loop.start_run(run_dir, base, tcfg, record, resume)
-    log(f"dpo from {base.run} (step {base.step}), β = {beta:g}, NLL weight {nll_weight:g}: {len(data_.train):,} train pairs, "
-        f"{len(data_.val):,} held out; {'LoRA' if lora_cfg else 'full'}")
-    out = loop.post_loop(run_dir, base.cfg, tcfg, trainable, frozen, make_loss(base.cfg, beta, lora_cfg, nll_weight),
-                         lambda s, _: (data_.train_batch(s, tcfg.batch_size, tcfg.seed), {}),
-                         evaluate=make_eval(base.cfg, beta, lora_cfg, frozen, data_, tcfg.batch_size),
-                         resume=resume, show_progress=show_progress, max_seconds=max_seconds, log=log)
-    summary = {"steps": out["steps"], "wall_seconds": out["wall_seconds"], **out["eval"]}
-    if task is not None:
-        params = loop.policy_params(out["state"].params, frozen, lora_cfg)
-        summary["heldout_accuracy"] = eval_task(params, base.cfg, base.tok, task, base.template, n=eval_examples)["accuracy"]
-        if before is not None:
-            summary["base_heldout_accuracy"] = before["accuracy"]
-    return loop.write_summary(run_dir, summary)
+    with locked_run_dir(run_dir, resume):  # held to the end of the run
+        loop.start_run(run_dir, base, tcfg, record, resume)
+        log(f"dpo from {base.run} (step {base.step}), β = {beta:g}, NLL weight {nll_weight:g}: {len(data_.train):,} train pairs, "
+            f"{len(data_.val):,} held out; {'LoRA' if lora_cfg else 'full'}")
+        out = loop.post_loop(run_dir, base.cfg, tcfg, trainable, frozen, make_loss(base.cfg, beta, lora_cfg, nll_weight),
+                             lambda s, _: (data_.train_batch(s, tcfg.batch_size, tcfg.seed), {}),
+                             evaluate=make_eval(base.cfg, beta, lora_cfg, frozen, data_, tcfg.batch_size),
+                             resume=resume, show_progress=show_progress, max_seconds=max_seconds, log=log)
+        summary = {"steps": out["steps"], "wall_seconds": out["wall_seconds"], **out["eval"]}
+        if task is not None:
+            params = loop.policy_params(out["state"].params, frozen, lora_cfg)
+            summary["heldout_accuracy"] = eval_task(params, base.cfg, base.tok, task, base.template, n=eval_examples)["accuracy"]
+            if before is not None:
+                summary["base_heldout_accuracy"] = before["accuracy"]
+        return loop.write_summary(run_dir, summary)

@@ -101,7 +101,7 @@ def reward_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, data=
                max_seconds: float | None = None, log=print) -> dict:
     """Train a reward model from ``base_run`` on the pairs of ``data`` or ``task`` (``model_negatives``: add the
     base's own wrong samples as rejected replies); prints and returns held-out preference accuracy."""
-    from mlx_llm.train.run import check_run_dir
+    from mlx_llm.train.run import check_run_dir, locked_run_dir
 
     run_dir = Path(run_dir)
     check_run_dir(run_dir, resume)
@@ -121,14 +121,15 @@ def reward_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, data=
     trainable = {"model": loop.initial_trainable(base, lora_cfg, tcfg.seed),
                  "reward_head": jnp.zeros((base.cfg.d_model,), jnp.float32)}
     frozen = {"base": base.params} if lora_cfg is not None else {}
-    loop.start_run(run_dir, base, tcfg, record, resume)
-    log(f"reward model from {base.run} (step {base.step}): {len(data_.train):,} train pairs, {len(data_.val):,} "
-        f"held out; {'LoRA' if lora_cfg else 'full'}")
-    out = loop.post_loop(run_dir, base.cfg, tcfg, trainable, frozen, make_loss(base.cfg, lora_cfg),
-                         lambda s, _: (data_.train_batch(s, tcfg.batch_size, tcfg.seed), {}),
-                         evaluate=make_eval(base.cfg, lora_cfg, frozen, data_, tcfg.batch_size),
-                         resume=resume, show_progress=show_progress, max_seconds=max_seconds, log=log)
-    return loop.write_summary(run_dir, {"steps": out["steps"], "wall_seconds": out["wall_seconds"], **out["eval"]})
+    with locked_run_dir(run_dir, resume):  # held to the end of the run
+        loop.start_run(run_dir, base, tcfg, record, resume)
+        log(f"reward model from {base.run} (step {base.step}): {len(data_.train):,} train pairs, {len(data_.val):,} "
+            f"held out; {'LoRA' if lora_cfg else 'full'}")
+        out = loop.post_loop(run_dir, base.cfg, tcfg, trainable, frozen, make_loss(base.cfg, lora_cfg),
+                             lambda s, _: (data_.train_batch(s, tcfg.batch_size, tcfg.seed), {}),
+                             evaluate=make_eval(base.cfg, lora_cfg, frozen, data_, tcfg.batch_size),
+                             resume=resume, show_progress=show_progress, max_seconds=max_seconds, log=log)
+        return loop.write_summary(run_dir, {"steps": out["steps"], "wall_seconds": out["wall_seconds"], **out["eval"]})
 
 
 @dataclasses.dataclass

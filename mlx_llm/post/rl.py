@@ -187,7 +187,7 @@ def rl_run(run_dir, base_run=None, *, task: str | None = None, tcfg: TrainConfig
     reference is the base unless ``reference`` names another run. Held-out exact match before and after."""
     from mlx_llm.post.reward import load_reward_model
     from mlx_llm.post.sft import eval_task
-    from mlx_llm.train.run import check_run_dir
+    from mlx_llm.train.run import check_run_dir, locked_run_dir
 
     run_dir = Path(run_dir)
     check_run_dir(run_dir, resume)
@@ -217,19 +217,20 @@ def rl_run(run_dir, base_run=None, *, task: str | None = None, tcfg: TrainConfig
                               reference=None if reference is None else str(Path(reference).resolve()),
                               kl_estimator="k1, per token, in the reward")
     before = None if resume else eval_task(base.params, base.cfg, base.tok, task, base.template, n=eval_examples)
-    loop.start_run(run_dir, base, tcfg, record, resume)
-    log(f"rl from {base.run} (step {base.step}) on {task}: {tcfg.batch_size} prompts × {k} replies per step, "
-        f"β = {beta:g}, reward from {'the checker' if rm is None else rm.run}; {'LoRA' if lora_cfg else 'full'}")
+    with locked_run_dir(run_dir, resume):  # held to the end of the run
+        loop.start_run(run_dir, base, tcfg, record, resume)
+        log(f"rl from {base.run} (step {base.step}) on {task}: {tcfg.batch_size} prompts × {k} replies per step, "
+            f"β = {beta:g}, reward from {'the checker' if rm is None else rm.run}; {'LoRA' if lora_cfg else 'full'}")
 
-    def evaluate(trainable):
-        params = loop.policy_params(trainable, frozen, lora_cfg)
-        return {"heldout_accuracy": eval_task(params, base.cfg, base.tok, task, base.template, n=eval_examples)["accuracy"]}
+        def evaluate(trainable):
+            params = loop.policy_params(trainable, frozen, lora_cfg)
+            return {"heldout_accuracy": eval_task(params, base.cfg, base.tok, task, base.template, n=eval_examples)["accuracy"]}
 
-    out = loop.post_loop(run_dir, base.cfg, tcfg, loop.initial_trainable(base, lora_cfg, tcfg.seed), frozen,
-                         make_loss(base.cfg, beta, k, lora_cfg), sampler, evaluate=evaluate, resume=resume,
-                         show_progress=show_progress, max_seconds=max_seconds, log=log)
-    summary = {"steps": out["steps"], "wall_seconds": out["wall_seconds"], **out["eval"],
-               **{key: out["last"].get(key) for key in ("reward", "accuracy", "kl", "response_length")}}
-    if before is not None:
-        summary["base_heldout_accuracy"] = before["accuracy"]
-    return loop.write_summary(run_dir, summary)
+        out = loop.post_loop(run_dir, base.cfg, tcfg, loop.initial_trainable(base, lora_cfg, tcfg.seed), frozen,
+                             make_loss(base.cfg, beta, k, lora_cfg), sampler, evaluate=evaluate, resume=resume,
+                             show_progress=show_progress, max_seconds=max_seconds, log=log)
+        summary = {"steps": out["steps"], "wall_seconds": out["wall_seconds"], **out["eval"],
+                   **{key: out["last"].get(key) for key in ("reward", "accuracy", "kl", "response_length")}}
+        if before is not None:
+            summary["base_heldout_accuracy"] = before["accuracy"]
+        return loop.write_summary(run_dir, summary)

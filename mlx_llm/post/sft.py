@@ -152,7 +152,7 @@ def sft_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, data=Non
     """Fine-tune ``base_run`` on ``data`` or ``task`` into ``run_dir`` (or resume it); returns the summary, with
     the held-out task accuracy before (base) and after when a task is given. Everything is checked before the run
     directory is created."""
-    from mlx_llm.train.run import check_run_dir, train_loop
+    from mlx_llm.train.run import check_run_dir, locked_run_dir, train_loop
 
     run_dir = Path(run_dir)
     check_run_dir(run_dir, resume)
@@ -174,31 +174,32 @@ def sft_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, data=Non
     template.check_tokenizer(tok)
     sft_data = load_data(tok, template, tcfg.seq_len, data=data, task=task, n_train=n_train, seed=tcfg.seed)
     adapters = None if lora_cfg is None else lora_lib.init(base_params, lora_cfg, jax.random.key(tcfg.seed))
-    if not resume:
-        info = {"sft": {"base": str(Path(base_run).resolve()), "base_step": base_step,
-                        "data": None if data is None else str(Path(data).resolve()), "task": task,
-                        "n_train": n_train, "template": template.to_dict(),
-                        "lora": None if lora_cfg is None else dataclasses.asdict(lora_cfg)},
-                "data": read_run_files(Path(base_run))[2]["data"]}
-        write_run_files(run_dir, cfg, tcfg, info)
-        tok.save(run_dir)
-    trainable = adapters if lora_cfg is not None else base_params
-    n_trainable = lora_lib.param_count(adapters) if lora_cfg is not None else cfg.param_count()
-    log(f"sft from {base_run} (step {base_step}): {sft_data.train_rows['tokens'].shape[0]:,} packed rows, "
-        f"{len(sft_data.val_convs):,} held out; {'LoRA' if lora_cfg else 'full'}: {n_trainable:,} trainable")
-    before = (eval_task(base_params, cfg, tok, task, template, n=eval_examples)
-              if task is not None and not resume else None)
-    out = train_loop(run_dir, cfg, tcfg, sft_data, resume=resume, show_progress=show_progress, log=log,
-                     initial_params=trainable, frozen=base_params if lora_cfg is not None else None,
-                     lora_cfg=lora_cfg)
-    summary = {**out["summary"], "trainable_params": n_trainable}
-    if task is not None:
-        after = eval_task(out["params"], cfg, tok, task, template, n=eval_examples)
-        summary["heldout_accuracy"] = after["accuracy"]
-        summary["heldout_examples"] = after["n"]
-        if before is not None:
-            summary["base_heldout_accuracy"] = before["accuracy"]
-    (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    with locked_run_dir(run_dir, resume):  # held to the end of the run
+        if not resume:
+            info = {"sft": {"base": str(Path(base_run).resolve()), "base_step": base_step,
+                            "data": None if data is None else str(Path(data).resolve()), "task": task,
+                            "n_train": n_train, "template": template.to_dict(),
+                            "lora": None if lora_cfg is None else dataclasses.asdict(lora_cfg)},
+                    "data": read_run_files(Path(base_run))[2]["data"]}
+            write_run_files(run_dir, cfg, tcfg, info)
+            tok.save(run_dir)
+        trainable = adapters if lora_cfg is not None else base_params
+        n_trainable = lora_lib.param_count(adapters) if lora_cfg is not None else cfg.param_count()
+        log(f"sft from {base_run} (step {base_step}): {sft_data.train_rows['tokens'].shape[0]:,} packed rows, "
+            f"{len(sft_data.val_convs):,} held out; {'LoRA' if lora_cfg else 'full'}: {n_trainable:,} trainable")
+        before = (eval_task(base_params, cfg, tok, task, template, n=eval_examples)
+                  if task is not None and not resume else None)
+        out = train_loop(run_dir, cfg, tcfg, sft_data, resume=resume, show_progress=show_progress, log=log,
+                         initial_params=trainable, frozen=base_params if lora_cfg is not None else None,
+                         lora_cfg=lora_cfg)
+        summary = {**out["summary"], "trainable_params": n_trainable}
+        if task is not None:
+            after = eval_task(out["params"], cfg, tok, task, template, n=eval_examples)
+            summary["heldout_accuracy"] = after["accuracy"]
+            summary["heldout_examples"] = after["n"]
+            if before is not None:
+                summary["base_heldout_accuracy"] = before["accuracy"]
+        (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 

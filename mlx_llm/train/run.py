@@ -20,7 +20,8 @@ from mlx_llm.train import data as data_lib
 from mlx_llm.post import lora as lora_lib
 from mlx_llm.train import tokenizer as tok_lib
 from mlx_llm.scaling.accounting import train_flops_per_token
-from mlx_llm.train.checkpoint import (CONFIG_FILE, Checkpoints, abstract_like, read_run_files, write_run_files)
+from mlx_llm.train.checkpoint import (RESUME_MAY_CHANGE, Checkpoints, abstract_like, check_run_dir, locked_run_dir,
+                                      plan_resume, read_run_files, record_resume, schedule_config, write_run_files)
 from mlx_llm.config import ModelConfig, TrainConfig
 from mlx_llm.errors import CheckpointError, ConfigError, MLXLLMError
 from mlx_llm.layers.moe import load_imbalance, per_layer_loads
@@ -55,32 +56,26 @@ class DataSpec:
 
 
 # ----- run directory ----------------------------------------------------------------------------------------
-def check_run_dir(run_dir: Path, resume: bool) -> None:
-    """Never overwrite a run: a directory holding one needs ``resume``; any other non-empty one is refused."""
-    has_run = (run_dir / CONFIG_FILE).is_file()
-    if resume and not has_run:
-        raise CheckpointError(f"--resume given but {str(run_dir)!r} holds no run (no {CONFIG_FILE}); drop --resume "
-                              f"to start a new run there")
-    if not resume and has_run:
-        raise CheckpointError(f"{str(run_dir)!r} already holds a run; pass --resume to continue it or choose "
-                              f"another --out")
-    if not resume and run_dir.exists() and any(run_dir.iterdir()):
-        raise CheckpointError(f"{str(run_dir)!r} exists and is not empty; choose a new --out directory")
-
-
-def check_same_run(run_dir: Path, cfg: ModelConfig | None, tcfg: TrainConfig | None, spec: DataSpec | None):
-    """On resume, what was asked must equal what the run holds (None: take the run's)."""
+def check_same_run(run_dir: Path, cfg: ModelConfig | None, tcfg: TrainConfig | None, spec: DataSpec | None,
+                   changes: dict | None = None):
+    """On resume, what was asked must equal what the run holds (None: take the run's), except the fields of
+    ``RESUME_MAY_CHANGE``, which ``tcfg`` or ``changes`` ({field: value}) may set. Returns the configs to use."""
     saved_cfg, saved_tcfg, info = read_run_files(run_dir)
     saved_spec = DataSpec.from_dict(info["data"])
-    for name, asked, saved in (("model config", cfg, saved_cfg), ("train config", tcfg, saved_tcfg),
-                               ("data settings", spec, saved_spec)):
-        if asked is not None and asked != saved:
-            diff = {k: (v, getattr(saved, k)) for k, v in dataclasses.asdict(asked).items()
-                    if v != getattr(saved, k)}
+    if set(changes or ()) - RESUME_MAY_CHANGE:
+        raise ConfigError(f"a resumed run may change only {sorted(RESUME_MAY_CHANGE)} of its train config, not "
+                          f"{sorted(set(changes) - RESUME_MAY_CHANGE)}")
+    tcfg = dataclasses.replace(saved_tcfg if tcfg is None else tcfg, **(changes or {}))
+    for name, asked, saved, free in (("model config", cfg, saved_cfg, ()),
+                                     ("train config", tcfg, saved_tcfg, RESUME_MAY_CHANGE),
+                                     ("data settings", spec, saved_spec, ())):
+        diff = {} if asked is None else {k: (v, getattr(saved, k)) for k, v in dataclasses.asdict(asked).items()
+                                         if k not in free and v != getattr(saved, k)}
+        if diff:
             raise CheckpointError(f"cannot resume {str(run_dir)!r}: its {name} differs from the one given "
                                   f"(field: (given, saved) = {diff}); resume without changing it, or start a new "
                                   f"run with another --out")
-    return saved_cfg, saved_tcfg, saved_spec
+    return saved_cfg, tcfg, saved_spec
 
 
 # ----- metrics ----------------------------------------------------------------------------------------------
@@ -160,27 +155,32 @@ def flush(progress: Progress, metrics_path: Path, run_dir: Path, last_ckpt, cfg:
 
 
 def train_loop(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, corpus, *, resume: bool, show_progress: bool,
-               log=print, initial_params=None, frozen=None, lora_cfg=None) -> dict:
+               log=print, initial_params=None, frozen=None, lora_cfg=None, from_step: int | None = None,
+               schedule_steps: int | None = None) -> dict:
     """The loop over ``corpus.train_batch`` (any object with ``train_batch``, ``val_batches`` and ``tokenizer``):
     steps, metrics, evaluations, checkpoints. ``initial_params`` start a fine-tuning run (instead of a random
     init); with ``lora_cfg`` they are the adapters and ``frozen`` is the base they adapt (never updated, never
-    checkpointed: the run records where it comes from)."""
+    checkpointed: the run records where it comes from). A resume restores the latest checkpoint, or
+    ``from_step`` (the later ones are then set aside, not deleted); ``schedule_steps``: see ``schedule_config``."""
     mask_id = corpus.tokenizer.mask_id
     mesh = make_mesh()
     check_batch_divisible(tcfg.batch_size, tcfg.grad_accum, mesh)
-    optimizer = optimizer_for(tcfg)
+    optimizer = optimizer_for(schedule_config(tcfg, schedule_steps))
     ckpts = Checkpoints(run_dir, tcfg.keep_checkpoints)
     state = jax.device_put(init_state(cfg, tcfg, optimizer, initial_params), replicated(mesh))
     metrics_path = run_dir / METRICS_FILE
-    last_ckpt = ckpts.latest_step()
+    last_ckpt = ckpts.latest_step() if from_step is None else from_step
     if resume and last_ckpt is not None:
-        state = ckpts.restore(abstract_like(state))
+        state = ckpts.restore(abstract_like(state), last_ckpt)
+        if from_step is not None:
+            for path in ckpts.set_aside_after(from_step):
+                log(f"set aside {path} (nothing deleted)")
         log(f"resumed {run_dir} from step {last_ckpt}")
     if int(state.data_step) != int(state.step):
         raise CheckpointError(f"checkpoint {last_ckpt} is inconsistent: data cursor {int(state.data_step)} != step "
                               f"{int(state.step)}")
     truncate_metrics(metrics_path, int(state.step))
-    step_fn = jit_train_step(cfg, tcfg, mesh, mask_id, lora_cfg)
+    step_fn = jit_train_step(cfg, schedule_config(tcfg, schedule_steps), mesh, mask_id, lora_cfg)
     eval_step = make_eval_step(cfg, mesh, tcfg.objective, mask_id)
     extra = () if lora_cfg is None else (jax.device_put(frozen, replicated(mesh)),)
 
@@ -314,16 +314,23 @@ def fit_time_budget(cfg: ModelConfig, tcfg: TrainConfig, corpus, seconds: float,
 
 def train_run(run_dir, cfg: ModelConfig | None, tcfg: TrainConfig | None, spec: DataSpec | None, *,
               resume: bool = False, show_progress: bool = True, cache_dir=None, sample_prompt: str = "def ",
-              sample_tokens: int = 200, time_budget: float | None = None, log=print) -> dict:
+              sample_tokens: int = 200, time_budget: float | None = None, log=print, changes: dict | None = None,
+              from_step: int | None = None) -> dict:
     """Train (or resume) the run in ``run_dir``; returns the summary dict also written to summary.json.
 
-    Everything that can be checked (paths, corpus, tokenizer, configs, device split) is checked before the run
-    directory is created, so a refused run leaves nothing behind.
+    Everything that can be checked (paths, lock, corpus, tokenizer, configs, the checkpoint to restore, device
+    split) is checked before the run directory is created or written, so a refused run leaves nothing behind; the
+    run then holds the directory's lock to its end. On resume, ``changes`` sets fields of ``RESUME_MAY_CHANGE``
+    (``{"steps": N}`` extends a run, see ``schedule_config``) and ``from_step`` continues from that checkpoint
+    instead of the latest (one after it is damaged, say); the checkpoints after it are set aside, not deleted.
     """
-    run_dir = Path(run_dir)
+    run_dir, plan = Path(run_dir), None
     check_run_dir(run_dir, resume)
+    if from_step is not None and not resume:
+        raise ConfigError(f"--from-step {from_step} continues a run from one of its checkpoints: it needs --resume")
     if resume:
-        cfg, tcfg, spec = check_same_run(run_dir, cfg, tcfg, spec)
+        cfg, tcfg, spec = check_same_run(run_dir, cfg, tcfg, spec, changes)
+        plan = plan_resume(run_dir, tcfg, from_step)
     tok, text = read_text_and_tokenizer(run_dir, spec, cache_dir, tcfg.objective)
     cfg = finalize_config(cfg, tok, tcfg)
     check_batch_divisible(tcfg.batch_size, tcfg.grad_accum, make_mesh())
@@ -332,23 +339,30 @@ def train_run(run_dir, cfg: ModelConfig | None, tcfg: TrainConfig | None, spec: 
         if resume:
             raise ConfigError("--time-budget sizes a new run; a resumed run keeps the steps it was given")
         tcfg = fit_time_budget(cfg, tcfg, corpus, time_budget, log)
-    if not resume:
-        write_run_files(run_dir, cfg, tcfg, {"data": spec.to_dict()})
-        tok.save(run_dir)
-    log(f"corpus: {corpus.stats.describe()}; train {corpus.train.n_tokens:,} tokens, val {corpus.val.n_tokens:,} "
-        f"tokens ({'cached' if corpus.cache_hit else f'encoded in {corpus.encode_seconds:.1f} s'})")
-    active = (f", {cfg.active_param_count():,} active per token" if cfg.active_param_count() != cfg.param_count()
-              else "")
-    log(f"model: {cfg.param_count():,} parameters ({cfg.non_embedding_param_count():,} non-embedding{active}), "
-        f"vocab {cfg.vocab_size}; {jax.device_count()} device(s)")
-    out = train_loop(run_dir, cfg, tcfg, corpus, resume=resume, show_progress=show_progress, log=log)
-    summary = {**out["summary"], "unigram_val_bpb": corpus.unigram_bits_per_byte()}
-    plot_losses(run_dir / METRICS_FILE, run_dir / PLOT_FILE)
-    text = closing_sample(out["state"].params, cfg, tok, sample_prompt, sample_tokens, seed=tcfg.seed,
-                          objective=tcfg.objective)
-    (run_dir / SAMPLE_FILE).write_text(text, encoding="utf-8")
-    summary["sample"] = text
-    (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    with locked_run_dir(run_dir, resume):
+        if resume:  # again under the lock: another run may have changed the directory since
+            plan = plan_resume(run_dir, check_same_run(run_dir, None, tcfg, None)[1], from_step)
+            record_resume(run_dir, tcfg, plan)
+        else:
+            write_run_files(run_dir, cfg, tcfg, {"data": spec.to_dict()})
+            tok.save(run_dir)
+        encoded = "cached" if corpus.cache_hit else f"encoded in {corpus.encode_seconds:.1f} s"
+        log(f"corpus: {corpus.stats.describe()}; train {corpus.train.n_tokens:,} tokens, val "
+            f"{corpus.val.n_tokens:,} tokens ({encoded})")
+        active = (f", {cfg.active_param_count():,} active per token" if cfg.active_param_count() != cfg.param_count()
+                  else "")
+        log(f"model: {cfg.param_count():,} parameters ({cfg.non_embedding_param_count():,} non-embedding{active}), "
+            f"vocab {cfg.vocab_size}; {jax.device_count()} device(s)")
+        out = train_loop(run_dir, cfg, tcfg, corpus, resume=resume, show_progress=show_progress, log=log,
+                         from_step=plan.step if plan and plan.from_step else None,
+                         schedule_steps=plan.schedule_steps if plan else None)
+        summary = {**out["summary"], "unigram_val_bpb": corpus.unigram_bits_per_byte()}
+        plot_losses(run_dir / METRICS_FILE, run_dir / PLOT_FILE)
+        text = closing_sample(out["state"].params, cfg, tok, sample_prompt, sample_tokens, seed=tcfg.seed,
+                              objective=tcfg.objective)
+        (run_dir / SAMPLE_FILE).write_text(text, encoding="utf-8")
+        summary["sample"] = text
+        (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 
