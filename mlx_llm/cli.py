@@ -110,6 +110,16 @@ def build_parser() -> argparse.ArgumentParser:
     mg.add_argument("--run", type=Path, required=True)
     mg.add_argument("--out", type=Path, required=True)
 
+    hx = sub.add_parser("export", help="write a run as a Hugging Face transformers checkpoint (Llama, Mamba or "
+                        "Mixtral; safetensors)")
+    hx.add_argument("--run", type=Path, required=True)
+    hx.add_argument("--to", type=Path, required=True, help="a new directory for from_pretrained")
+    hx.add_argument("--step", type=int, help="checkpoint step (default: latest)")
+    hi = sub.add_parser("import", help="a transformers checkpoint directory (Llama, Mamba or Mixtral; "
+                        "safetensors) as a run")
+    hi.add_argument("--from", dest="source", type=Path, required=True)
+    hi.add_argument("--out", type=Path, required=True, help="a new run directory")
+
     ge = sub.add_parser("generate", help="continue a prompt with a trained run")
     ge.add_argument("--run", type=Path, required=True)
     ge.add_argument("--prompt", required=True)
@@ -386,10 +396,26 @@ def cmd_export_merged(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from mlx_llm.interop.hf import export_run
+
+    out = export_run(args.run, args.to, step=args.step)
+    print(f"wrote {out}: load it with transformers' AutoModelForCausalLM.from_pretrained and AutoTokenizer")
+    return 0
+
+
+def cmd_import(args) -> int:
+    from mlx_llm.interop.hf import import_hf
+
+    print(f"wrote {import_hf(args.source, args.out)}: a run (mlx-llm generate / eval / sft --base take it)")
+    return 0
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     command = {"train": cmd_train, "eval": cmd_eval, "generate": cmd_generate, "sft": cmd_sft,
-               "reward": cmd_post, "dpo": cmd_post, "rl": cmd_post, "eval-task": cmd_eval_task, "chat": cmd_chat, "export-merged": cmd_export_merged}[args.command]
+               "reward": cmd_post, "dpo": cmd_post, "rl": cmd_post, "eval-task": cmd_eval_task, "chat": cmd_chat, "export-merged": cmd_export_merged,
+               "export": cmd_export, "import": cmd_import}[args.command]
     try:
         return command(args)
     except MLXLLMError as exc:
