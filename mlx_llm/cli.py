@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from mlx_llm.config import COMPUTE_DTYPES, OBJECTIVES, ModelConfig, TrainConfig
+from mlx_llm.config import COMPUTE_DTYPES, OBJECTIVES, REMAT_POLICIES, ModelConfig, TrainConfig
 from mlx_llm.post.tasks import TASKS
 from mlx_llm.errors import MLXLLMError
 
@@ -30,7 +30,7 @@ MAIN_JOB_VOCAB = 1024
 TRAIN_FLAGS = {"steps": int, "batch_size": int, "seq_len": int, "lr": float, "warmup_steps": int,
                "grad_accum": int, "eval_interval": int, "eval_tokens": int, "checkpoint_interval": int,
                "keep_checkpoints": int, "seed": int, "compute_dtype": str, "weight_decay": float,
-               "clip_norm": float, "log_interval": int, "objective": str}
+               "clip_norm": float, "log_interval": int, "objective": str, "mesh": str, "remat": str}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -62,8 +62,19 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--no-progress", action="store_true")
     tr.add_argument("--time-budget", type=float, metavar="SECONDS",
                     help="set --steps to what fits SECONDS of training loop on this machine (measured first)")
+    dist = tr.add_argument_group("several processes (README, 'Several machines')")
+    dist.add_argument("--distributed", action="store_true",
+                      help="join a multi-process run (jax.distributed): settings from the flags below, else from "
+                           "JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, else JAX's cluster detection")
+    dist.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address (implies --distributed)")
+    dist.add_argument("--num-processes", type=int, help="processes in the run (implies --distributed)")
+    dist.add_argument("--process-id", type=int, help="this process's index, 0 … N−1 (implies --distributed)")
     for flag, typ in TRAIN_FLAGS.items():
         kwargs = {"compute_dtype": {"choices": COMPUTE_DTYPES},
+                  "mesh": {"metavar": "AXIS=N,…", "help": "device mesh, e.g. data=2,fsdp=4 (axes data, fsdp, tensor; "
+                           "default: every device on data); parameters and optimizer state are split along fsdp"},
+                  "remat": {"choices": REMAT_POLICIES, "help": "recompute activations per layer in the backward "
+                            "pass: none (default), full or dots"},
                   "objective": {"choices": OBJECTIVES, "help": "ar (next token, default) or diffusion (masked "
                                 "diffusion: a bidirectional denoiser trained on the NELBO bound)"}}.get(flag, {})
         tr.add_argument("--" + flag.replace("_", "-"), type=typ, dest=flag, **kwargs)
@@ -166,7 +177,7 @@ def add_post_parser(pp, kind: str) -> None:
     pp.add_argument("--lora-targets", default="wq,wv", help="comma-separated weight keys (default %(default)s)")
     pp.add_argument("--no-progress", action="store_true")
     for flag, typ in TRAIN_FLAGS.items():
-        if flag not in ("objective", "compute_dtype", "grad_accum"):
+        if flag not in ("objective", "compute_dtype", "grad_accum", "mesh", "remat"):
             pp.add_argument("--" + flag.replace("_", "-"), type=typ, dest=flag)
 
 
@@ -182,6 +193,12 @@ def train_configs(args) -> tuple[ModelConfig, TrainConfig]:
 def cmd_train(args) -> int:
     from mlx_llm.train.run import RESUME_MAY_CHANGE, DataSpec, train_run
 
+    if args.distributed or any(v is not None for v in (args.coordinator, args.num_processes, args.process_id)):
+        from mlx_llm.train.parallel import init_distributed
+
+        init_distributed(args.coordinator, args.num_processes, args.process_id)
+        if args.out is None:
+            raise MLXLLMError("a multi-process run needs --out DIR (the same shared directory in every process)")
     out = args.out or Path("runs") / time.strftime("run-%Y%m%d-%H%M%S")
     changes = None
     if args.resume:
@@ -204,6 +221,8 @@ def cmd_train(args) -> int:
     summary = train_run(out, cfg, tcfg, spec, resume=args.resume, show_progress=not args.no_progress,
                         cache_dir=args.cache_dir, sample_prompt=args.prompt, sample_tokens=args.sample_tokens,
                         time_budget=args.time_budget, changes=changes, from_step=args.from_step)
+    if "sample" not in summary:  # a process other than 0 of a multi-process run: process 0 reports
+        return 0
     print(f"run: {out}")
     bound = " (diffusion NELBO: upper bounds)" if _is_diffusion(out) else ""
     print(f"val loss {summary['val_loss']:.4f} nats/token, perplexity {summary['val_ppl']:.2f}, "

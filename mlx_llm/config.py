@@ -22,9 +22,31 @@ MIXER_KINDS = ("attn", "mamba")
 FFN_KINDS = ("swiglu", "moe", "none")
 ROUTERS = ("sigmoid", "softmax")
 OBJECTIVES = ("ar", "diffusion")  # TrainConfig.objective
+MESH_AXES = ("data", "fsdp", "tensor")  # TrainConfig.mesh (train/parallel.py)
+REMAT_POLICIES = ("none", "full", "dots")  # TrainConfig.remat (model.run_stack)
 SSM_SCANS = ("fused", "associative")  # how the Mamba recurrence runs over a sequence (layers/mamba.py)
 _NEEDS = {"attn": ("n_heads", "n_kv_heads", "d_head"), "mamba": (), "swiglu": ("d_ff",),
           "moe": ("n_experts", "moe_top_k", "moe_d_ff"), "none": ()}
+
+
+def parse_mesh(spec: str) -> dict[str, int]:
+    """``"data=2,fsdp=4"`` → {"data": 2, "fsdp": 4} (axes of ``MESH_AXES``, sizes ≥ 1 or one -1); "" → {}."""
+    if not isinstance(spec, str):
+        raise ConfigError(f"mesh = {spec!r} is invalid: give it as a string such as 'data=2,fsdp=4'")
+    sizes: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, _, size = part.partition("=")
+        name = name.strip()
+        if name not in MESH_AXES or name in sizes or not size.strip().lstrip("-").isdigit():
+            raise ConfigError(f"mesh {spec!r}: {part!r} is invalid: each entry is AXIS=SIZE with AXIS one of "
+                              f"{list(MESH_AXES)} (each at most once), e.g. 'data=2,fsdp=4'")
+        sizes[name] = int(size)
+        if sizes[name] < 1 and sizes[name] != -1:
+            raise ConfigError(f"mesh {spec!r}: {name} = {sizes[name]} is invalid: a size is >= 1, or -1 for "
+                              f"whatever the other axes leave")
+    if list(sizes.values()).count(-1) > 1:
+        raise ConfigError(f"mesh {spec!r}: at most one axis may be -1")
+    return sizes
 
 
 def _require_int(cfg, name: str, *, minimum: int) -> None:
@@ -344,6 +366,8 @@ class TrainConfig(JsonConfig):
     seed: int = 0
     compute_dtype: str = "float32"
     objective: str = "ar"
+    mesh: str = ""  # "data=2,fsdp=4,tensor=1" (train/parallel.py); "" = every device on data
+    remat: str = "none"  # activation recomputation per layer: "none", "full" or "dots" (model.run_stack)
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -366,6 +390,10 @@ class TrainConfig(JsonConfig):
         if self.batch_size % self.grad_accum:
             raise ConfigError(f"TrainConfig.batch_size = {self.batch_size} is not divisible by grad_accum = "
                               f"{self.grad_accum}: each micro-batch must hold a whole number of sequences")
+        parse_mesh(self.mesh)
+        if self.remat not in REMAT_POLICIES:
+            raise ConfigError(f"TrainConfig.remat = {self.remat!r} is invalid: valid values are "
+                              f"{list(REMAT_POLICIES)}")
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ConfigError(f"TrainConfig.compute_dtype = {self.compute_dtype!r} is invalid: valid values are "
                               f"{list(COMPUTE_DTYPES)}")

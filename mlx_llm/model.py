@@ -139,10 +139,16 @@ def logits_from_hidden(h_BTD, params: Params, cfg: ModelConfig) -> jax.Array:
     return dense(r_BTD, unembed_matrix(params, cfg), preferred_element_type=acc)
 
 
-def run_stack(h_BTD, params: Params, cfg: ModelConfig, ctx: Context):
+REMAT = {"full": jax.checkpoint_policies.nothing_saveable, "dots": jax.checkpoint_policies.dots_saveable}
+
+
+def run_stack(h_BTD, params: Params, cfg: ModelConfig, ctx: Context, remat: str = "none"):
     """(B_L ∘ … ∘ B_1)(H) under one lax.scan: over layers (uniform) or over the L/P groups of P layers.
 
     Returns (H⁽ᴸ⁾, aux) with aux stacked like ``params["blocks"]`` (MoE loads (L/P, X) under router_offset).
+    ``remat`` trades compute for memory in the backward pass (``jax.checkpoint`` of each scan step): "full"
+    keeps only each layer's input and recomputes the layer, "dots" also keeps the matmul outputs and recomputes
+    the elementwise work (norms, RoPE, softmax, SwiGLU); "none" keeps every intermediate.
     """
     kinds = cfg.group_kinds
 
@@ -155,18 +161,20 @@ def run_stack(h_BTD, params: Params, cfg: ModelConfig, ctx: Context):
             auxes.append(aux)
         return h_BTD, auxes
 
+    if remat != "none":
+        step = jax.checkpoint(step, policy=REMAT[remat])
     return jax.lax.scan(step, h_BTD, params["blocks"])
 
 
 def hidden_states(params: Params, tokens_BT, cfg: ModelConfig, *, positions_BT=None, segment_ids_BT=None,
-                  return_aux: bool = False):
-    """H⁽ᴸ⁾ = (B_L ∘ … ∘ B_1)(E[x]) (and, with ``return_aux``, the per-layer MoE loads)."""
+                  return_aux: bool = False, remat: str = "none"):
+    """H⁽ᴸ⁾ = (B_L ∘ … ∘ B_1)(E[x]) (and, with ``return_aux``, the per-layer MoE loads); ``remat``: run_stack."""
     b, t = tokens_BT.shape
     if positions_BT is None:
         positions_BT = jnp.broadcast_to(jnp.arange(t), (b, t))
     mask = causal_mask if cfg.causal else document_mask
     ctx = Context(positions_BT, mask(segment_ids_BT, b, t), segment_ids_BT)
-    h_BTD, aux = run_stack(embed(params, tokens_BT), params, cfg, ctx)
+    h_BTD, aux = run_stack(embed(params, tokens_BT), params, cfg, ctx, remat)
     return (h_BTD, aux) if return_aux else h_BTD
 
 

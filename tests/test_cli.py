@@ -146,7 +146,7 @@ def test_batch_not_divisible_by_devices(workspace):
                workspace / "model.json", "--tokenizer", "byte", "--batch-size", 3, "--seq-len", 16,
                "--cache-dir", workspace / "cache2", env_extra={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "batch_size = 3 (micro-batch 3 with grad_accum = 1) cannot be split over 2 devices" in proc.stderr
+    assert "batch_size = 3 (micro-batch 3 with grad_accum = 1) cannot be split over the 2 batch shards" in proc.stderr
     assert snapshot(workspace) == before
 
 

@@ -86,8 +86,9 @@ class SFTData:
     tokenizer: tok_lib.Tokenizer
     heldout: list  # task examples (dicts) held out, for eval_task; [] for a data file
 
-    def train_batch(self, step: int, *, batch_size: int, seq_len: int, seed: int) -> dict[str, np.ndarray]:
-        idx = epoch_order(step, batch_size, self.train_rows["tokens"].shape[0], seed)
+    def train_batch(self, step: int, *, batch_size: int, seq_len: int, seed: int,
+                    rows: slice = slice(None)) -> dict[str, np.ndarray]:
+        idx = epoch_order(step, batch_size, self.train_rows["tokens"].shape[0], seed)[rows]
         return {name: a[idx] for name, a in self.train_rows.items()}
 
     def val_batches(self, seq_len: int, batch_size: int, max_tokens: int | None = None) -> ValSet:

@@ -40,8 +40,9 @@ CHECKPOINT_DIR = "checkpoints"
 MANIFEST_FILE = "mlx_llm_sha256.json"  # inside each checkpoints/<step>/
 LOCK_FILE = "run.lock"
 # TrainConfig fields a resumed run may change; every other field must equal the run's. ``steps`` may only grow
-# (``plan_resume``): the extended steps follow the rule of ``schedule_config``.
-RESUME_MAY_CHANGE = frozenset({"steps"})
+# (``plan_resume``): the extended steps follow the rule of ``schedule_config``. ``mesh`` and ``remat`` change where
+# arrays live and what the backward pass recomputes, not the numbers (a checkpoint restores under any mesh).
+RESUME_MAY_CHANGE = frozenset({"steps", "mesh", "remat"})
 SCHEDULE_STEPS = "schedule_steps"  # run.json: the total the lr schedule is defined over, once a run is extended
 
 

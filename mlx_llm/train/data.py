@@ -396,9 +396,11 @@ class Corpus:
     cache_hit: bool
     encode_seconds: float  # 0 when read from the cache
 
-    def train_batch(self, step: int, *, batch_size: int, seq_len: int, seed: int) -> dict[str, np.ndarray]:
-        """Batch ``step`` of B random windows of the train stream: a function of (seed, step) only."""
-        starts_B = window_starts(self.train.n_tokens, step, batch_size=batch_size, seq_len=seq_len, seed=seed)
+    def train_batch(self, step: int, *, batch_size: int, seq_len: int, seed: int,
+                    rows: slice = slice(None)) -> dict[str, np.ndarray]:
+        """Batch ``step`` of B random windows of the train stream: a function of (seed, step) only; ``rows``
+        reads only those rows of it (a process's part of the global batch)."""
+        starts_B = window_starts(self.train.n_tokens, step, batch_size=batch_size, seq_len=seq_len, seed=seed)[rows]
         w_BT1 = self.train.tokens[starts_B[:, None] + np.arange(seq_len + 1)[None, :]]
         return pack_windows(w_BT1, self.tokenizer.bos_id, self.tokenizer.pad_id)
 

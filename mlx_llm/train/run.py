@@ -26,9 +26,10 @@ from mlx_llm.config import ModelConfig, TrainConfig
 from mlx_llm.errors import CheckpointError, ConfigError, MLXLLMError
 from mlx_llm.layers.moe import load_imbalance, per_layer_loads
 from mlx_llm.model import check_tokens
-from mlx_llm.train.parallel import check_batch_divisible, make_mesh, replicated
+from mlx_llm.train.parallel import (agree, check_batch_divisible, gather_to_host, is_main_process, local_rows, make_mesh,
+                                   replicated, shard_tree, sync)
 from mlx_llm.train.step import (EvalResult, device_batch, evaluate, init_state, jit_train_step, make_eval_step,
-                                optimizer_for)
+                                optimizer_for, place_state)
 
 METRICS_FILE, SUMMARY_FILE, SAMPLE_FILE, PLOT_FILE = "metrics.jsonl", "summary.json", "sample.txt", "loss.png"
 
@@ -81,13 +82,16 @@ def check_same_run(run_dir: Path, cfg: ModelConfig | None, tcfg: TrainConfig | N
 # ----- metrics ----------------------------------------------------------------------------------------------
 def truncate_metrics(path: Path, last_step: int) -> None:
     """On resume drop lines of steps after the restored checkpoint: they are about to be recomputed."""
-    if not path.exists():
+    if not path.exists() or not is_main_process():
         return
     keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= last_step]
     path.write_text("".join(line + "\n" for line in keep))
 
 
 def append_metrics(path: Path, rows: list[dict]) -> None:
+    """Append rows to metrics.jsonl (process 0 alone writes; every process computed the same rows)."""
+    if not is_main_process():
+        return
     with path.open("a") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
@@ -163,18 +167,19 @@ def train_loop(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, corpus, *, re
     checkpointed: the run records where it comes from). A resume restores the latest checkpoint, or
     ``from_step`` (the later ones are then set aside, not deleted); ``schedule_steps``: see ``schedule_config``."""
     mask_id = corpus.tokenizer.mask_id
-    mesh = make_mesh()
+    mesh = make_mesh(tcfg.mesh)
     check_batch_divisible(tcfg.batch_size, tcfg.grad_accum, mesh)
     optimizer = optimizer_for(schedule_config(tcfg, schedule_steps))
     ckpts = Checkpoints(run_dir, tcfg.keep_checkpoints)
-    state = jax.device_put(init_state(cfg, tcfg, optimizer, initial_params), replicated(mesh))
+    state = place_state(init_state(cfg, tcfg, optimizer, initial_params), mesh)
     metrics_path = run_dir / METRICS_FILE
     last_ckpt = ckpts.latest_step() if from_step is None else from_step
     if resume and last_ckpt is not None:
         state = ckpts.restore(abstract_like(state), last_ckpt)
         if from_step is not None:
-            for path in ckpts.set_aside_after(from_step):
+            for path in ckpts.set_aside_after(from_step) if is_main_process() else ():
                 log(f"set aside {path} (nothing deleted)")
+            sync("set aside")
         log(f"resumed {run_dir} from step {last_ckpt}")
     if int(state.data_step) != int(state.step):
         raise CheckpointError(f"checkpoint {last_ckpt} is inconsistent: data cursor {int(state.data_step)} != step "
@@ -182,7 +187,7 @@ def train_loop(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, corpus, *, re
     truncate_metrics(metrics_path, int(state.step))
     step_fn = jit_train_step(cfg, schedule_config(tcfg, schedule_steps), mesh, mask_id, lora_cfg)
     eval_step = make_eval_step(cfg, mesh, tcfg.objective, mask_id)
-    extra = () if lora_cfg is None else (jax.device_put(frozen, replicated(mesh)),)
+    extra = () if lora_cfg is None else (shard_tree(frozen, mesh),)
 
     def model_params(state):
         return state.params if lora_cfg is None else lora_lib.merge(extra[0], state.params, lora_cfg)
@@ -192,12 +197,13 @@ def train_loop(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, corpus, *, re
     tokens_per_step = tcfg.batch_size * tcfg.seq_len
     start = int(state.step)
     bar = _progress_bar(show_progress, start, tcfg.steps)
+    my_rows = local_rows(mesh, tcfg.batch_size)
     progress, result, t_start = Progress(last_step=start), None, time.perf_counter()
     train_seconds, last_row = 0.0, None
     for s in range(start, tcfg.steps):
-        batch = corpus.train_batch(s, batch_size=tcfg.batch_size, seq_len=tcfg.seq_len, seed=tcfg.seed)
+        batch = corpus.train_batch(s, batch_size=tcfg.batch_size, seq_len=tcfg.seq_len, seed=tcfg.seed, rows=my_rows)
         check_tokens(batch["tokens"], cfg, "training batch tokens")
-        state, m = step_fn(state, device_batch(batch, mesh), *extra)
+        state, m = step_fn(state, device_batch(batch, mesh, tcfg.batch_size), *extra)
         progress.pending.append((s, m))
         done = s + 1
         is_eval = done % tcfg.eval_interval == 0 or done == tcfg.steps
@@ -284,11 +290,12 @@ def finalize_config(cfg: ModelConfig, tok, tcfg: TrainConfig) -> ModelConfig:
 
 def seconds_per_step(cfg: ModelConfig, tcfg: TrainConfig, corpus, rounds: int = 3) -> float:
     """Median wall time of one jitted training step on the run's first batch, measured after compiling it."""
-    mesh = make_mesh()
+    mesh = make_mesh(tcfg.mesh)
     step = jit_train_step(cfg, tcfg, mesh, corpus.tokenizer.mask_id)
-    state = jax.device_put(init_state(cfg, tcfg, optimizer_for(tcfg)), replicated(mesh))
-    batch = device_batch(corpus.train_batch(0, batch_size=tcfg.batch_size, seq_len=tcfg.seq_len, seed=tcfg.seed),
-                         mesh)
+    state = place_state(init_state(cfg, tcfg, optimizer_for(tcfg)), mesh)
+    rows = local_rows(mesh, tcfg.batch_size)
+    batch = device_batch(corpus.train_batch(0, batch_size=tcfg.batch_size, seq_len=tcfg.seq_len, seed=tcfg.seed,
+                                            rows=rows), mesh, tcfg.batch_size)
     times = []
     for _ in range(rounds + 1):  # the first call compiles
         start = time.perf_counter()
@@ -305,7 +312,7 @@ def fit_time_budget(cfg: ModelConfig, tcfg: TrainConfig, corpus, seconds: float,
     if not math.isfinite(seconds) or seconds <= 0:
         raise ConfigError(f"time budget = {seconds!r} s is invalid: it must be a positive number of seconds")
     per_step = seconds_per_step(cfg, tcfg, corpus)
-    steps = max(1, int(seconds / per_step))
+    steps = agree(max(1, int(seconds / per_step)))  # process 0's measurement decides for every process
     log(f"time budget {seconds:g} s at {per_step * 1e3:.0f} ms/step: {steps} steps")
     return dataclasses.replace(tcfg, steps=steps, warmup_steps=min(tcfg.warmup_steps, max(steps - 1, 0)),
                                eval_interval=min(tcfg.eval_interval, steps),
@@ -324,7 +331,9 @@ def train_run(run_dir, cfg: ModelConfig | None, tcfg: TrainConfig | None, spec: 
     (``{"steps": N}`` extends a run, see ``schedule_config``) and ``from_step`` continues from that checkpoint
     instead of the latest (one after it is damaged, say); the checkpoints after it are set aside, not deleted.
     """
-    run_dir, plan = Path(run_dir), None
+    run_dir, plan, main = Path(run_dir), None, is_main_process()
+    if not main:  # every process computes the same; process 0 alone reports and writes
+        log, show_progress = (lambda *a, **k: None), False
     check_run_dir(run_dir, resume)
     if from_step is not None and not resume:
         raise ConfigError(f"--from-step {from_step} continues a run from one of its checkpoints: it needs --resume")
@@ -333,17 +342,22 @@ def train_run(run_dir, cfg: ModelConfig | None, tcfg: TrainConfig | None, spec: 
         plan = plan_resume(run_dir, tcfg, from_step)
     tok, text = read_text_and_tokenizer(run_dir, spec, cache_dir, tcfg.objective)
     cfg = finalize_config(cfg, tok, tcfg)
-    check_batch_divisible(tcfg.batch_size, tcfg.grad_accum, make_mesh())
+    check_batch_divisible(tcfg.batch_size, tcfg.grad_accum, make_mesh(tcfg.mesh))
+    if not main:
+        sync("corpus")  # process 0 encodes (and caches) first; with a shared cache the others then read it
     corpus = data_lib.encode_corpus(text, tok, cache_dir)
+    if main:
+        sync("corpus")
     if time_budget is not None:
         if resume:
             raise ConfigError("--time-budget sizes a new run; a resumed run keeps the steps it was given")
         tcfg = fit_time_budget(cfg, tcfg, corpus, time_budget, log)
+    sync("checked")  # every process has checked the directory before process 0 writes to it
     with locked_run_dir(run_dir, resume):
-        if resume:  # again under the lock: another run may have changed the directory since
+        if resume and main:  # again under the lock: another run may have changed the directory since
             plan = plan_resume(run_dir, check_same_run(run_dir, None, tcfg, None)[1], from_step)
             record_resume(run_dir, tcfg, plan)
-        else:
+        elif main:
             write_run_files(run_dir, cfg, tcfg, {"data": spec.to_dict()})
             tok.save(run_dir)
         encoded = "cached" if corpus.cache_hit else f"encoded in {corpus.encode_seconds:.1f} s"
@@ -357,12 +371,14 @@ def train_run(run_dir, cfg: ModelConfig | None, tcfg: TrainConfig | None, spec: 
                          from_step=plan.step if plan and plan.from_step else None,
                          schedule_steps=plan.schedule_steps if plan else None)
         summary = {**out["summary"], "unigram_val_bpb": corpus.unigram_bits_per_byte()}
-        plot_losses(run_dir / METRICS_FILE, run_dir / PLOT_FILE)
-        text = closing_sample(out["state"].params, cfg, tok, sample_prompt, sample_tokens, seed=tcfg.seed,
-                              objective=tcfg.objective)
-        (run_dir / SAMPLE_FILE).write_text(text, encoding="utf-8")
-        summary["sample"] = text
-        (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+        params = gather_to_host(out["state"].params)  # whole arrays in every process: the decoder is local
+        if main:
+            plot_losses(run_dir / METRICS_FILE, run_dir / PLOT_FILE)
+            summary["sample"] = closing_sample(params, cfg, tok, sample_prompt, sample_tokens, seed=tcfg.seed,
+                                               objective=tcfg.objective)
+            (run_dir / SAMPLE_FILE).write_text(summary["sample"], encoding="utf-8")
+            (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+        sync("written")
     return summary
 
 

@@ -25,7 +25,7 @@ from mlx_llm.objectives.loss import token_nll
 from mlx_llm.model import hidden_states, init_params, logits_from_hidden
 from mlx_llm.layers.moe import apply_offset_rule, zero_load
 from mlx_llm.train.optim import make_optimizer, strip_routing_state, warmup_cosine
-from mlx_llm.train.parallel import batch_sharding, replicated
+from mlx_llm.train.parallel import batch_sharding, global_batch, local_rows, replicated, tree_shardings
 
 BATCH_KEYS = ("tokens", "targets", "mask", "segment_ids", "positions")
 
@@ -68,20 +68,20 @@ def cast_params(params, dtype):
     return jax.tree.map(lambda p: p.astype(dtype), params)
 
 
-def summed_loss_and_aux(params, batch, cfg: ModelConfig, compute_dtype):
+def summed_loss_and_aux(params, batch, cfg: ModelConfig, compute_dtype, remat: str = "none"):
     """(Σ_t b_t · −log p(x_t | x_<t), (Σ_t b_t, aux)) of one (micro-)batch; logits and loss in float32.
 
     aux holds the MoE expert loads (assignments per expert, stacked like the blocks) of this batch.
     """
     p = cast_params(params, compute_dtype)
     h_BTD, aux = hidden_states(p, batch["tokens"], cfg, positions_BT=batch["positions"],
-                               segment_ids_BT=batch["segment_ids"], return_aux=True)
+                               segment_ids_BT=batch["segment_ids"], return_aux=True, remat=remat)
     nll_BT = token_nll(logits_from_hidden(h_BTD, p, cfg), batch["targets"])
     b_BT = batch["mask"].astype(nll_BT.dtype)
     return jnp.sum(b_BT * nll_BT), (jnp.sum(b_BT), aux)
 
 
-def summed_nelbo_and_aux(params, batch, key, cfg: ModelConfig, compute_dtype, mask_id: int):
+def summed_nelbo_and_aux(params, batch, key, cfg: ModelConfig, compute_dtype, mask_id: int, remat: str = "none"):
     """The masked-diffusion counterpart (objectives/diffusion.py): (Σ_b NELBO_b, (Σ maskable tokens, aux)) of
     one (micro-)batch, with t and the masks drawn from ``key``. The window's tokens are x; ``batch["mask"]``
     marks the maskable (real) ones; segment ids keep the bidirectional attention inside each document."""
@@ -89,7 +89,7 @@ def summed_nelbo_and_aux(params, batch, key, cfg: ModelConfig, compute_dtype, ma
     x_BT, maskable_BT = batch["tokens"], batch["mask"]
     z_BT, masked_BT, t_B = diffusion.corrupt_batch(key, x_BT, mask_id, maskable_BT)
     h_BTD, aux = hidden_states(p, z_BT, cfg, positions_BT=batch["positions"], segment_ids_BT=batch["segment_ids"],
-                               return_aux=True)
+                               return_aux=True, remat=remat)
     nelbo_B = diffusion.nelbo_from_logits(logits_from_hidden(h_BTD, p, cfg), x_BT, masked_BT, t_B, mask_id)
     return jnp.sum(nelbo_B), (jnp.sum(maskable_BT.astype(nelbo_B.dtype)), aux)
 
@@ -98,8 +98,8 @@ def objective_fn(cfg: ModelConfig, tcfg: TrainConfig, compute_dtype, mask_id):
     """(params, micro-batch, key) → (summed loss, (count, aux)) for ``tcfg.objective``; the AR loss ignores key."""
     if tcfg.objective == "diffusion":
         diffusion.check_mask_id(mask_id, cfg.vocab_size)
-        return lambda p, mb, key: summed_nelbo_and_aux(p, mb, key, cfg, compute_dtype, mask_id)
-    return lambda p, mb, key: summed_loss_and_aux(p, mb, cfg, compute_dtype)
+        return lambda p, mb, key: summed_nelbo_and_aux(p, mb, key, cfg, compute_dtype, mask_id, tcfg.remat)
+    return lambda p, mb, key: summed_loss_and_aux(p, mb, cfg, compute_dtype, tcfg.remat)
 
 
 def summed_loss(params, batch, cfg: ModelConfig, compute_dtype) -> tuple[jax.Array, jax.Array]:
@@ -162,15 +162,40 @@ def make_train_step(cfg: ModelConfig, tcfg: TrainConfig, optimizer: optax.Gradie
     return train_step
 
 
+def abstract_state(cfg: ModelConfig, tcfg: TrainConfig, lora_cfg=None) -> TrainState:
+    """Shapes and dtypes of the run's TrainState (its trainable params: the model, or LoRA adapters)."""
+
+    def build():
+        params = None
+        if lora_cfg is not None:
+            from mlx_llm.post import lora
+
+            params = lora.init(init_params(cfg, jax.random.key(0)), lora_cfg, jax.random.key(0))
+        return init_state(cfg, tcfg, optimizer_for(tcfg), params)
+
+    return jax.eval_shape(build)
+
+
+def state_shardings(cfg: ModelConfig, tcfg: TrainConfig, mesh, lora_cfg=None) -> TrainState:
+    """Where every array of the TrainState lives on ``mesh`` (train/parallel.py's one rule)."""
+    return tree_shardings(abstract_state(cfg, tcfg, lora_cfg), mesh)
+
+
+def place_state(state: TrainState, mesh) -> TrainState:
+    return jax.device_put(state, tree_shardings(state, mesh))
+
+
 @functools.lru_cache(maxsize=8)
 def jit_train_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, mask_id: int | None = None, lora_cfg=None) -> Callable:
-    """The jitted step: state replicated and donated, batch split over the mesh's batch axes (and, for LoRA,
-    the frozen base replicated as a third argument).
+    """The jitted step: the state sharded by ``parallel.param_spec`` (replicated on a data-only mesh) and
+    donated, the batch split over the mesh's batch axes, and for LoRA the frozen base, sharded by the same rule,
+    as a third argument.
 
     Cached on the (hashable) configs and mesh, so a resumed or repeated run in one process compiles once.
     """
-    state_sh, batch_sh = replicated(mesh), batch_sharding(mesh)
-    shardings = (state_sh, batch_sh) + ((replicated(mesh),) if lora_cfg is not None else ())
+    state_sh, batch_sh = state_shardings(cfg, tcfg, mesh, lora_cfg), batch_sharding(mesh)
+    base_sh = (tree_shardings(jax.eval_shape(lambda: init_params(cfg, jax.random.key(0))), mesh),)
+    shardings = (state_sh, batch_sh) + (base_sh if lora_cfg is not None else ())
     return jax.jit(make_train_step(cfg, tcfg, optimizer_for(tcfg), mask_id, lora_cfg), in_shardings=shardings,
                    out_shardings=(state_sh, replicated(mesh)), donate_argnums=0)
 
@@ -190,13 +215,17 @@ def make_eval_step(cfg: ModelConfig, mesh, objective: str = "ar", mask_id: int |
         loss_sum, (n, _) = fn(params, batch, jax.random.fold_in(jax.random.key(EVAL_SEED), index))
         return loss_sum, n
 
-    return jax.jit(step, in_shardings=(replicated(mesh), batch_sharding(mesh), replicated(mesh)),
-                   out_shardings=replicated(mesh))
+    # params follow their argument's sharding (replicated, or sharded as in training)
+    return jax.jit(step, in_shardings=(None, batch_sharding(mesh), replicated(mesh)), out_shardings=replicated(mesh))
 
 
-def device_batch(batch: dict, mesh) -> dict:
-    sharding = batch_sharding(mesh)
-    return {k: jax.device_put(np.asarray(batch[k]), sharding) for k in BATCH_KEYS}
+def device_batch(batch: dict, mesh, global_size: int | None = None) -> dict:
+    """A host batch as global arrays split over the mesh's batch axes. With one process ``batch`` is the whole
+    batch; with several it holds this process's rows (``parallel.local_rows``) of a ``global_size`` batch."""
+    if jax.process_count() == 1:
+        sharding = batch_sharding(mesh)
+        return {k: jax.device_put(np.asarray(batch[k]), sharding) for k in BATCH_KEYS}
+    return global_batch(batch, mesh, global_size, BATCH_KEYS)
 
 
 @dataclasses.dataclass
@@ -217,7 +246,9 @@ def evaluate(eval_step: Callable, params, val_set, mesh, objective: str = "ar") 
 
     For the diffusion objective the loss is the NELBO (an upper bound on the NLL, so perplexity and bits per
     byte are upper bounds too) and the scored text is the windows' tokens, each val token once."""
-    totals = [eval_step(params, device_batch(b, mesh), np.int32(i)) for i, b in enumerate(val_set.batches)]
+    rows = local_rows(mesh, len(val_set.batches[0]["tokens"]))
+    totals = [eval_step(params, device_batch({k: b[k][rows] for k in BATCH_KEYS}, mesh, len(b["tokens"])),
+                        np.int32(i)) for i, b in enumerate(val_set.batches)]
     nll = float(sum(float(s) for s, _ in totals))
     n = float(sum(float(c) for _, c in totals))
     loss = nll / n
