@@ -20,7 +20,11 @@ max_seq_len raised to fit the contexts). The table then shows the decode state's
 cache of attention layers grows with it, a Mamba layer's (conv window, SSM state) does not, so a pure-SSM
 model's per-token time is flat in the context while the recompute column still grows.
 
-Usage: python experiments/bench_decode.py [--quick] [--d-model 512 --n-layers 8 ... | --config FILE.json]
+With the ``hf`` extra installed it also runs transformers' ``generate(do_sample=False)`` on the same weights
+(``experiments/hf_twin.py``), checks the greedy tokens are identical and prints the tokens/s ratio, end to end and
+per decode step, timed round-robin with ours.
+
+Usage: python experiments/bench_decode.py [--quick] [--d-model 512 --n-layers 8 ... | --config FILE.json] [--no-hf]
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mlx_llm import ModelConfig, forward, init_params
+from mlx_llm.errors import MLXLLMError
 from mlx_llm.scaling.accounting import decode_state_bytes, kv_rows
 from mlx_llm.decode.state import forward_cached, init_cache, unstack_layers
 from mlx_llm.decode.generate import generate
@@ -54,6 +59,7 @@ def parse_args(argv=None):
     ap.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (best is kept)")
     ap.add_argument("--bandwidth-gib", type=float, default=1.0, help="size of the array summed to measure bandwidth")
     ap.add_argument("--quick", action="store_true", help="small run (~30 s): context 256 only, 16 tokens")
+    ap.add_argument("--no-hf", action="store_true", help="skip the transformers generate() baseline")
     args = ap.parse_args(argv)
     if args.quick:
         args.contexts, args.new_tokens, args.repeats, args.bandwidth_gib = [256], 16, 3, 0.25
@@ -155,6 +161,40 @@ def generate_check(params, cfg, prompt, n_new, repeats):
     return best["1"], (best["n"] - best["1"]) / n_new
 
 
+def hf_compare(params, cfg, prompt, n_new, repeats):
+    """generate() against transformers' ``generate(do_sample=False)`` on the same weights (torch eager, KV cache),
+    round-robin: (our seconds, HF seconds) for n_new tokens end to end, per-token decode seconds of each
+    ((t(1 + n) − t(1)) / n), and whether the greedy tokens are identical. None without the hf extra."""
+    from hf_twin import hf_twin  # experiments/ is on sys.path when this script runs
+
+    try:
+        model, torch = hf_twin(params, cfg)
+    except ImportError as exc:
+        print(f"(no HF baseline: {exc}; install the hf extra)")
+        return None
+    except MLXLLMError as exc:
+        print(f"(no HF baseline: {exc})")
+        return None
+    model.eval()
+    model.generation_config.eos_token_id = None  # run exactly n tokens, as generate() without eos_id does
+    ids = torch.as_tensor(np.asarray(prompt), dtype=torch.long)
+
+    def hf(n):
+        with torch.no_grad():
+            return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                                  pad_token_id=2)[0, ids.shape[1]:].numpy()
+
+    def ours(n):
+        return np.asarray(generate(params, cfg, prompt, n).tokens[0])
+
+    same = bool(np.array_equal(hf(n_new), ours(n_new)))
+    best = best_of({"ours n": lambda: wall(lambda: ours(1 + n_new)), "hf n": lambda: wall(lambda: hf(1 + n_new)),
+                    "ours 1": lambda: wall(lambda: ours(1)), "hf 1": lambda: wall(lambda: hf(1))}, repeats)
+    return {"ours": best["ours n"], "hf": best["hf n"], "same_tokens": same,
+            "ours_tok": (best["ours n"] - best["ours 1"]) / n_new, "hf_tok": (best["hf n"] - best["hf 1"]) / n_new,
+            "torch": torch.__version__}
+
+
 def in_place_check(params, cfg, max_len, layers):
     """Compiled memory of one donated decode step: temporaries far below the cache size = no full copy."""
     step = jax.jit(forward_cached, static_argnames="cfg", donate_argnames="cache")
@@ -212,6 +252,15 @@ def main(argv=None):
     t_first, t_tok = generate_check(params, cfg, prompts[ctx0], args.new_tokens, args.repeats)
     print(f"\ngenerate() end to end at context {ctx0}: prefill + first token {t_first * 1e3:.1f} ms, then "
           f"{t_tok * 1e3:.2f} ms per token ({1 / t_tok:.0f} tokens/s)")
+    hf = None if args.no_hf else hf_compare(params, cfg, prompts[ctx0], args.new_tokens, args.repeats)
+    if hf is not None:
+        n = 1 + args.new_tokens
+        print(f"HF transformers generate (torch {hf['torch']} eager, do_sample=False), same weights, context {ctx0}, "
+              f"{n} new tokens: greedy tokens identical: {hf['same_tokens']}\n"
+              f"  end to end: ours {hf['ours'] * 1e3:.0f} ms ({n / hf['ours']:.0f} tokens/s), HF {hf['hf'] * 1e3:.0f} ms "
+              f"({n / hf['hf']:.0f} tokens/s): {hf['hf'] / hf['ours']:.2f}x\n"
+              f"  per decode step: ours {hf['ours_tok'] * 1e3:.2f} ms, HF {hf['hf_tok'] * 1e3:.2f} ms: "
+              f"{hf['hf_tok'] / hf['ours_tok']:.2f}x")
     print("per-token times, batch 1; tokens/s = 1000 / ms. 'state bytes' = K/V cache + Mamba states at that "
           "context; 'bound' = (weights + state) / bandwidth; 'of bound' = bound / cached-scan time.\n"
           f"K/V rows one attention layer computes to write {ctx0} tokens (U19 §6): {kv_rows(ctx0, True):,d} with "

@@ -1,0 +1,85 @@
+"""bf16 MFU of a 125M-parameter model's training step on one accelerator, against the peak measured in the same run.
+
+The model is GPT-2-small-sized in our layout (d=768, L=12, 12 query / 4 kv heads of 64, SwiGLU m=2048, V=32768,
+T=1024: 124M parameters with untied embeddings, see the first printed line). The step is the library's own
+(`train.step.jit_train_step`: forward, backward, global-norm clipping, AdamW; bf16 compute with float32 master
+weights, float32 logits and loss). The peak is the best bf16 `jnp.dot` of two 8192×8192 matrices in this
+process (float32 accumulation), timed round-robin with the step; MFU = (FLOPs per token × tokens/s) / peak,
+FLOPs per token from `accounting.train_flops_per_token` (6·N plus attention, PaLM's count). Target: ≥ 45%.
+
+    python experiments/bench_gpu.py                 # on a GPU/TPU host
+    python experiments/bench_gpu.py --quick         # a CPU smoke run of the same code (tiny model, float32 peak)
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mlx_llm import ModelConfig
+from mlx_llm.config import TrainConfig
+from mlx_llm.scaling.accounting import train_flops_per_token
+from mlx_llm.train.parallel import make_mesh
+from mlx_llm.train.step import device_batch, init_state, jit_train_step, optimizer_for, place_state
+
+
+def timed(fn, *args) -> float:
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--remat", default="none", choices=("none", "full", "dots"))
+    ap.add_argument("--quick", action="store_true", help="d=128, L=2, T=128, batch 4, float32: a CPU smoke run")
+    args = ap.parse_args()
+    d, L, V, T, n, dtype = 768, 12, 32768, args.seq_len, 8192, jnp.bfloat16
+    if args.quick:
+        d, L, V, T, n, dtype, args.batch, args.rounds = 128, 2, 4096, 128, 1024, jnp.float32, 4, 3
+    cfg = ModelConfig(vocab_size=V, d_model=d, n_layers=L, n_heads=d // 64, n_kv_heads=max(1, d // 192), d_head=64,
+                      d_ff=8 * d // 3 // 64 * 64, max_seq_len=T)
+    tcfg = TrainConfig(batch_size=args.batch, seq_len=T, steps=10_000, warmup_steps=10,
+                       compute_dtype=jnp.dtype(dtype).name, remat=args.remat)
+    mesh = make_mesh("", jax.devices()[:1])
+    state = place_state(init_state(cfg, tcfg, optimizer_for(tcfg)), mesh)
+    step = jit_train_step(cfg, tcfg, mesh)
+    rng = np.random.default_rng(0)
+    B = args.batch
+    batch = device_batch({"tokens": rng.integers(0, V, (B, T), dtype=np.int32),
+                          "targets": rng.integers(0, V, (B, T), dtype=np.int32),
+                          "mask": np.ones((B, T), np.float32), "segment_ids": np.zeros((B, T), np.int32),
+                          "positions": np.tile(np.arange(T, dtype=np.int32), (B, 1))}, mesh)
+    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
+    dot = jax.jit(lambda x, y: jnp.matmul(x, y, preferred_element_type=jnp.float32))
+    dot(a, a).block_until_ready()
+    state, m = step(state, batch)
+    jax.block_until_ready(m)
+    step_times, peaks = [], []
+    for _ in range(args.rounds):
+        peaks.append(2 * n**3 / min(timed(dot, a, a) for _ in range(3)))
+        start = time.perf_counter()
+        state, m = step(state, batch)
+        jax.block_until_ready(m)
+        step_times.append(time.perf_counter() - start)
+    step_s, peak = float(np.median(step_times)), max(peaks)
+    per_token = train_flops_per_token(cfg, T)
+    achieved = per_token * B * T / step_s
+    print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}); compute {jnp.dtype(dtype).name}, "
+          f"remat {args.remat}")
+    print(f"model: d={d} L={L} heads {cfg.n_heads}/{cfg.n_kv_heads}x64 d_ff={cfg.d_ff} V={V} T={T} batch {B}: "
+          f"{cfg.param_count() / 1e6:.1f}M parameters; {per_token / 1e9:.3f} GFLOP per token")
+    print(f"measured peak ({jnp.dtype(dtype).name} jnp.dot {n}², best): {peak / 1e12:.1f} TFLOP/s")
+    print(f"train step: median {step_s * 1e3:.1f} ms, {B * T / step_s:,.0f} tokens/s, {achieved / 1e12:.1f} TFLOP/s")
+    print(f"MFU against the measured peak: {achieved / peak:.1%} (target >= 45%); loss {float(m['loss']):.3f}")
+
+
+if __name__ == "__main__":
+    main()
