@@ -38,7 +38,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from mlx_llm import ModelConfig, forward, init_params
-from mlx_llm.errors import MLXLLMError
 from mlx_llm.scaling.accounting import decode_state_bytes, kv_rows
 from mlx_llm.decode.state import forward_cached, init_cache, unstack_layers
 from mlx_llm.decode.generate import generate
@@ -165,19 +164,15 @@ def hf_compare(params, cfg, prompt, n_new, repeats):
     """generate() against transformers' ``generate(do_sample=False)`` on the same weights (torch eager, KV cache),
     round-robin: (our seconds, HF seconds) for n_new tokens end to end, per-token decode seconds of each
     ((t(1 + n) − t(1)) / n), and whether the greedy tokens are identical. None without the hf extra."""
-    from hf_twin import hf_twin  # experiments/ is on sys.path when this script runs
+    from hf_twin import try_hf_twin  # experiments/ is on sys.path when this script runs
 
-    try:
-        model, torch = hf_twin(params, cfg)
-    except ImportError as exc:
-        print(f"(no HF baseline: {exc}; install the hf extra)")
+    twin = try_hf_twin(params, cfg)
+    if twin is None:
         return None
-    except MLXLLMError as exc:
-        print(f"(no HF baseline: {exc})")
-        return None
+    model, torch = twin
     model.eval()
     model.generation_config.eos_token_id = None  # run exactly n tokens, as generate() without eos_id does
-    ids = torch.as_tensor(np.asarray(prompt), dtype=torch.long)
+    ids = torch.as_tensor(np.array(prompt), dtype=torch.long)
 
     def hf(n):
         with torch.no_grad():

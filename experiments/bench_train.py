@@ -24,7 +24,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from mlx_llm import ModelConfig
-from mlx_llm.errors import MLXLLMError
 from mlx_llm.scaling.accounting import train_flops_per_token
 from mlx_llm.config import TrainConfig
 from mlx_llm.train.parallel import make_mesh
@@ -123,16 +122,12 @@ def main() -> None:
 
 def torch_step(params, cfg: ModelConfig, args):
     """One training step of the transformers twin (same weights, same batch shape), or None without the extra."""
-    from hf_twin import hf_twin  # experiments/ is on sys.path when this script runs
+    from hf_twin import try_hf_twin  # experiments/ is on sys.path when this script runs
 
-    try:
-        model, torch = hf_twin(params, cfg)
-    except ImportError as exc:
-        print(f"(no HF baseline: {exc}; install the hf extra)")
+    twin = try_hf_twin(params, cfg)
+    if twin is None:
         return None
-    except MLXLLMError as exc:
-        print(f"(no HF baseline: {exc})")
-        return None
+    model, torch = twin
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
     g = torch.Generator().manual_seed(0)

@@ -37,6 +37,19 @@ def hf_twin(params, cfg: ModelConfig, *, threads: int | None = None):
     return model, torch
 
 
+def try_hf_twin(params, cfg: ModelConfig):
+    """``hf_twin`` or None (with the reason printed) when the extra is missing or transformers has no such model."""
+    from mlx_llm.errors import MLXLLMError
+
+    try:
+        return hf_twin(params, cfg)
+    except ImportError as exc:
+        print(f"(no HF baseline: {exc}; install the hf extra)")
+    except MLXLLMError as exc:
+        print(f"(no HF baseline: {exc})")
+    return None
+
+
 def _numpy(params):
     import jax
 

@@ -19,19 +19,9 @@ from mlx_llm.train.checkpoint import (LOCK_FILE, MANIFEST_FILE, Checkpoints, che
                                       read_run_files, run_lock)
 from mlx_llm.train.run import load_params, train_run
 from test_cli import cli_in_process, snapshot
-from test_train import TINY, assert_trees_equal, spec_for, tiny_train
+from test_train import TINY, assert_trees_equal, corpus_dir, spec_for, tiny_train  # noqa: F401 (a fixture)
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def corpus_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("corpus")
-    rng = np.random.default_rng(0)
-    words = ["def", "return", "self", "value", "import", "class", "for", "in", "if", "else", "x", "y", "(", ")", ":"]
-    for i in range(12):
-        (d / f"doc{i:02d}.py").write_text("\n".join(" ".join(rng.choice(words, size=8)) for _ in range(60)) + "\n")
-    return d
 
 
 @pytest.fixture(scope="module")
