@@ -274,3 +274,22 @@ def test_two_processes_equal_one_process(two_process_runs):
                for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2))) <= 1e-6
     assert json.loads((two / "summary.json").read_text())["devices"] == 4
     assert "run:" in stdouts[0] and (two / "sample.txt").is_file()
+
+
+def test_bad_multiprocess_settings_are_refused(monkeypatch, tmp_path):
+    from mlx_llm.train.parallel import init_distributed
+
+    with pytest.raises(ConfigError, match=r"process id = 5 is invalid: it must be in \[0, 2\)"):
+        init_distributed("127.0.0.1:1", 2, 5)
+    with pytest.raises(ConfigError, match="number of processes = 0 is invalid"):
+        init_distributed("127.0.0.1:1", 0, 0)
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "two")
+    with pytest.raises(ConfigError, match="JAX_NUM_PROCESSES = 'two' is not an integer"):
+        init_distributed()
+    # nothing to join (no flags, no environment, no cluster): one line, exit 2, no run directory
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")} | {"JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-m", "mlx_llm", "train", "--distributed", "--out", str(tmp_path / "r")],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "cannot join a multi-process run" in proc.stderr, proc.stderr[-2000:]
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "r").exists()

@@ -176,8 +176,14 @@ def init_distributed(coordinator: str | None = None, num_processes: int | None =
         raise ConfigError(f"process id = {process_id} is invalid: it must be in [0, {num_processes})")
     if _initialized():  # (asking jax.process_count() here would start the backend, which must come after)
         return
-    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
-                               process_id=process_id)
+    try:
+        jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
+                                   process_id=process_id)
+    except (ValueError, RuntimeError) as exc:  # nothing detected, or the coordinator unreachable
+        raise ConfigError(f"cannot join a multi-process run ({str(exc).strip().splitlines()[0]}): give --coordinator "
+                          f"HOST:PORT --num-processes N --process-id I (or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES "
+                          f"and JAX_PROCESS_ID), or run under a cluster manager JAX detects (SLURM, Open MPI, "
+                          f"Cloud TPU)") from None
 
 
 def _env_int(name: str) -> int | None:
