@@ -18,7 +18,8 @@ from mlx_llm import ModelConfig, forward
 from mlx_llm.train.checkpoint import Checkpoints
 from mlx_llm.config import TrainConfig
 from mlx_llm.errors import CheckpointError, ConfigError
-from mlx_llm.train.run import DataSpec, TrainingDiverged, load_params, train_run
+from mlx_llm.train.metrics import TrainingDiverged
+from mlx_llm.train.run import DataSpec, load_params, train_run
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ModelConfig(vocab_size=263, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, d_head=8, d_ff=32, max_seq_len=64)

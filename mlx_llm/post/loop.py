@@ -155,7 +155,7 @@ def post_loop(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, trainable, fro
     of it); ``evaluate(trainable) → dict`` runs every ``eval_interval`` steps and at the end. ``max_seconds``
     ends the run early (checkpoint and evaluation included) after the step that reaches that much loop time:
     equal-time comparisons."""
-    from mlx_llm.train.run import TrainingDiverged, _progress_bar
+    from mlx_llm.train.metrics import TrainingDiverged, progress_bar
 
     state = init_state(cfg, tcfg, optimizer_for(tcfg), trainable)
     ckpts = Checkpoints(run_dir, keep=tcfg.keep_checkpoints)
@@ -166,7 +166,7 @@ def post_loop(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, trainable, fro
     _truncate(metrics_path, int(state.step))
     update = make_update(loss_fn, tcfg)
     start = int(state.step)
-    bar = _progress_bar(show_progress, start, tcfg.steps)
+    bar = progress_bar(show_progress, start, tcfg.steps)
     last, result, t0 = {}, {}, time.perf_counter()
     for s in range(start, tcfg.steps):
         batch, host = batch_fn(s, state.params)

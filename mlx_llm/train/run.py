@@ -23,19 +23,16 @@ from mlx_llm.scaling.accounting import train_flops_per_token
 from mlx_llm.train.checkpoint import (RESUME_MAY_CHANGE, Checkpoints, abstract_like, check_run_dir, locked_run_dir,
                                       plan_resume, read_run_files, record_resume, schedule_config, write_run_files)
 from mlx_llm.config import ModelConfig, TrainConfig
-from mlx_llm.errors import CheckpointError, ConfigError, MLXLLMError
-from mlx_llm.layers.moe import load_imbalance, per_layer_loads
+from mlx_llm.errors import CheckpointError, ConfigError
 from mlx_llm.model import check_tokens
+from mlx_llm.train.metrics import (METRICS_FILE, PLOT_FILE, Progress, append_metrics, flush, plot_losses,
+                                   progress_bar, truncate_metrics)
 from mlx_llm.train.parallel import (agree, check_batch_divisible, gather_to_host, is_main_process, local_rows, make_mesh,
                                    replicated, shard_tree, sync)
 from mlx_llm.train.step import (EvalResult, device_batch, evaluate, init_state, jit_train_step, make_eval_step,
                                 optimizer_for, place_state)
 
-METRICS_FILE, SUMMARY_FILE, SAMPLE_FILE, PLOT_FILE = "metrics.jsonl", "summary.json", "sample.txt", "loss.png"
-
-
-class TrainingDiverged(MLXLLMError):
-    """The loss or gradient became non-finite."""
+SUMMARY_FILE, SAMPLE_FILE = "summary.json", "sample.txt"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,85 +76,7 @@ def check_same_run(run_dir: Path, cfg: ModelConfig | None, tcfg: TrainConfig | N
     return saved_cfg, tcfg, saved_spec
 
 
-# ----- metrics ----------------------------------------------------------------------------------------------
-def truncate_metrics(path: Path, last_step: int) -> None:
-    """On resume drop lines of steps after the restored checkpoint: they are about to be recomputed."""
-    if not path.exists() or not is_main_process():
-        return
-    keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= last_step]
-    path.write_text("".join(line + "\n" for line in keep))
-
-
-def append_metrics(path: Path, rows: list[dict]) -> None:
-    """Append rows to metrics.jsonl (process 0 alone writes; every process computed the same rows)."""
-    if not is_main_process():
-        return
-    with path.open("a") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-
-
-def plot_losses(metrics_path: Path, out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line]
-    train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
-    val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    if train:
-        ax.plot(*zip(*train), label="train loss", lw=1)
-    if val:
-        ax.plot(*zip(*val), "o-", label="val loss")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats / token)")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-
-
 # ----- the loop ---------------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class Progress:
-    """Host-side bookkeeping between flushes: pending step metrics and throughput timing."""
-
-    pending: list = dataclasses.field(default_factory=list)
-    last_time: float = dataclasses.field(default_factory=time.perf_counter)
-    last_step: int = 0
-
-
-def expert_load_metrics(load, cfg: ModelConfig) -> dict:
-    """Per MoE layer: the fraction of assignments each expert received and max/mean load (1 = even)."""
-    layers = per_layer_loads(load, cfg)
-    if not layers:
-        return {}
-    fractions = [(counts / max(counts.sum(), 1.0)).round(5).tolist() for _, counts in layers]
-    imbalance = [round(float(load_imbalance(counts)), 5) for _, counts in layers]
-    return {"moe_layers": [l for l, _ in layers], "expert_load": fractions, "load_imbalance": imbalance}
-
-
-def flush(progress: Progress, metrics_path: Path, run_dir: Path, last_ckpt, cfg: ModelConfig) -> list[dict]:
-    """Read back pending step metrics (one host sync), stop on the first non-finite one, write them."""
-    rows = []
-    for step, m in jax.device_get(progress.pending):
-        row = {"step": step + 1, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]), "lr": float(m["lr"]),
-               **expert_load_metrics(m["expert_load"], cfg)}
-        if not (math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])):
-            where = (f"step {last_ckpt} in {run_dir / 'checkpoints'}" if last_ckpt is not None
-                     else "none was written yet")
-            raise TrainingDiverged(f"training diverged: loss = {row['loss']}, grad norm = {row['grad_norm']} at step "
-                                   f"{row['step']} (lr {row['lr']:.3g}); the last good checkpoint is kept ({where}); "
-                                   f"lower --lr or raise --warmup-steps")
-        rows.append(row)
-    progress.pending.clear()
-    append_metrics(metrics_path, rows)
-    return rows
-
-
 def train_loop(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, corpus, *, resume: bool, show_progress: bool,
                log=print, initial_params=None, frozen=None, lora_cfg=None, from_step: int | None = None,
                schedule_steps: int | None = None) -> dict:
@@ -196,7 +115,7 @@ def train_loop(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, corpus, *, re
     flops_per_token = train_flops_per_token(cfg, tcfg.seq_len)
     tokens_per_step = tcfg.batch_size * tcfg.seq_len
     start = int(state.step)
-    bar = _progress_bar(show_progress, start, tcfg.steps)
+    bar = progress_bar(show_progress, start, tcfg.steps)
     my_rows = local_rows(mesh, tcfg.batch_size)
     progress, result, t_start = Progress(last_step=start), None, time.perf_counter()
     train_seconds, last_row = 0.0, None
@@ -240,12 +159,6 @@ def train_loop(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, corpus, *, re
                "tokens_per_second": steps_run * tokens_per_step / train_seconds if train_seconds else None,
                "flops_per_token": flops_per_token, "devices": mesh.devices.size, **result.as_dict()}
     return {"state": state, "summary": summary, "params": model_params(state)}
-
-
-def _progress_bar(show: bool, start: int, total: int):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, initial=start, disable=not show, unit="step", dynamic_ncols=True)
 
 
 # ----- whole runs -------------------------------------------------------------------------------------------
