@@ -221,7 +221,9 @@ def cmd_train(args) -> int:
     summary = train_run(out, cfg, tcfg, spec, resume=args.resume, show_progress=not args.no_progress,
                         cache_dir=args.cache_dir, sample_prompt=args.prompt, sample_tokens=args.sample_tokens,
                         time_budget=args.time_budget, changes=changes, from_step=args.from_step)
-    if "sample" not in summary:  # a process other than 0 of a multi-process run: process 0 reports
+    from mlx_llm.train.parallel import is_main_process
+
+    if not is_main_process():  # a multi-process run: process 0 reports
         return 0
     print(f"run: {out}")
     bound = " (diffusion NELBO: upper bounds)" if _is_diffusion(out) else ""

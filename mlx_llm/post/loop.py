@@ -29,9 +29,10 @@ from mlx_llm.post import lora as lora_lib
 from mlx_llm.post.chat import ChatTemplate
 from mlx_llm.train import tokenizer as tok_lib
 from mlx_llm.train.checkpoint import Checkpoints, abstract_like, read_run_files, write_run_files
+from mlx_llm.train.metrics import METRICS_FILE, TrainingDiverged, append_metrics, progress_bar, truncate_metrics
 from mlx_llm.train.step import TrainState, init_state, optimizer_for, schedule_for
 
-SUMMARY_FILE, METRICS_FILE = "summary.json", "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
 LossFn = Callable[[Any, Any, dict], tuple[jax.Array, dict]]
 
 
@@ -135,18 +136,6 @@ def make_update(loss_fn: LossFn, tcfg: TrainConfig) -> Callable:
     return jax.jit(update, donate_argnums=0)
 
 
-def _append(path: Path, rows: list[dict]) -> None:
-    with path.open("a") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-
-
-def _truncate(path: Path, last_step: int) -> None:
-    if path.exists():
-        keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= last_step]
-        path.write_text("".join(line + "\n" for line in keep))
-
-
 def post_loop(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, trainable, frozen, loss_fn: LossFn,
               batch_fn: Callable, *, evaluate: Callable | None = None, resume: bool, show_progress: bool,
               max_seconds: float | None = None, log=print) -> dict:
@@ -155,15 +144,13 @@ def post_loop(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, trainable, fro
     of it); ``evaluate(trainable) → dict`` runs every ``eval_interval`` steps and at the end. ``max_seconds``
     ends the run early (checkpoint and evaluation included) after the step that reaches that much loop time:
     equal-time comparisons."""
-    from mlx_llm.train.metrics import TrainingDiverged, progress_bar
-
     state = init_state(cfg, tcfg, optimizer_for(tcfg), trainable)
     ckpts = Checkpoints(run_dir, keep=tcfg.keep_checkpoints)
     metrics_path = run_dir / METRICS_FILE
     if resume and ckpts.latest_step() is not None:
         state = ckpts.restore(abstract_like(state))
         log(f"resumed {run_dir} from step {int(state.step)}")
-    _truncate(metrics_path, int(state.step))
+    truncate_metrics(metrics_path, int(state.step))
     update = make_update(loss_fn, tcfg)
     start = int(state.step)
     bar = progress_bar(show_progress, start, tcfg.steps)
@@ -182,7 +169,7 @@ def post_loop(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, trainable, fro
             result = evaluate(state.params)
             rows.append({"step": done, **result})
             bar.write(f"step {done}: " + ", ".join(f"{k} {v:.4g}" for k, v in result.items()))
-        _append(metrics_path, rows)
+        append_metrics(metrics_path, rows)
         bar.set_postfix(loss=f"{row['loss']:.3f}")
         bar.update(1)
         if done % tcfg.checkpoint_interval == 0 or final:

@@ -174,7 +174,7 @@ def init_distributed(coordinator: str | None = None, num_processes: int | None =
         raise ConfigError(f"number of processes = {num_processes} is invalid: it must be >= 1")
     if process_id is not None and num_processes is not None and not 0 <= process_id < num_processes:
         raise ConfigError(f"process id = {process_id} is invalid: it must be in [0, {num_processes})")
-    if _initialized():  # (asking jax.process_count() here would start the backend, which must come after)
+    if jax.distributed.is_initialized():  # (jax.process_count() here would start the backend: it must come after)
         return
     try:
         jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
@@ -196,12 +196,6 @@ def _env_int(name: str) -> int | None:
         return int(value)
     except ValueError:
         raise ConfigError(f"environment variable {name} = {value!r} is not an integer") from None
-
-
-def _initialized() -> bool:
-    from jax._src import distributed
-
-    return distributed.global_state.client is not None
 
 
 def is_main_process() -> bool:
