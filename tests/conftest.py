@@ -28,3 +28,11 @@ def base_run(tmp_path_factory):
     from tiny_runs import pretrain
 
     return pretrain(tmp_path_factory.mktemp("base"))
+
+
+@pytest.fixture(scope="session")
+def arithmetic_sft(base_run, tmp_path_factory):
+    """``base_run`` fine-tuned on arithmetic (tests/tiny_runs.py): the SFT test's run and the preference runs' start."""
+    from tiny_runs import sft_arithmetic
+
+    return sft_arithmetic(tmp_path_factory.mktemp("arithmetic"), base_run)

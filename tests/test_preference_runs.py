@@ -12,17 +12,16 @@ from mlx_llm import cli
 from mlx_llm.config import TrainConfig
 from mlx_llm.errors import CheckpointError, ConfigError, DataError
 from mlx_llm.post.dpo import dpo_run
-from mlx_llm.post import tasks
 from mlx_llm.post.lora import LoRAConfig
 from mlx_llm.post.reward import load_reward_model, reward_run
 from mlx_llm.post.rl import rl_run
-from mlx_llm.post.sft import load_sft_params, sft_run
+from mlx_llm.post.sft import load_sft_params
 from mlx_llm.train.checkpoint import read_run_files
 from mlx_llm.train.run import load_params
 from tiny_runs import SFT
 
 QUIET = dict(show_progress=False, log=lambda *a: None)
-TASK = "addition2"
+TASK = "arithmetic"
 
 
 def tiny(**changes):
@@ -31,34 +30,28 @@ def tiny(**changes):
 
 
 @pytest.fixture(scope="module")
-def sft_start(base_run, tmp_path_factory):
-    """The tiny base taught two-digit addition by full SFT: the start of every preference run here."""
-    run = tmp_path_factory.mktemp("pref") / "sft"
-    sft_run(run, base_run, tcfg=TrainConfig(**SFT, steps=600, eval_interval=600, checkpoint_interval=600),
-            task=TASK, n_train=4000, eval_examples=16, **QUIET)
-    return run
+def sft_start(arithmetic_sft):
+    """The tiny base taught arithmetic by 4,000 full SFT steps (conftest.py): the start of every preference run."""
+    return arithmetic_sft
 
 
 @pytest.fixture(scope="module")
 def reward_model(sft_start, tmp_path_factory):
-    """A reward model trained on a pair file that prefers the bare answer to a hedged one ("… I think"): a
-    preference a tiny model can learn (telling a right sum from a one-digit-off one is as hard as adding, and the
-    tiny SFT model adds right 11 % of the time; README)."""
-    root = tmp_path_factory.mktemp("rm")
-    with (root / "pairs.jsonl").open("w") as f:
-        for e in tasks.examples(TASK, "train", n=2000, seed=0):
-            f.write(json.dumps({"prompt": tasks.prompt_messages(e),
-                                "chosen": {"role": "assistant", "content": e["answer"]},
-                                "rejected": {"role": "assistant", "content": e["answer"] + " I think"}}) + "\n")
-    summary = reward_run(root / "rm", sft_start, data=root / "pairs.jsonl",
-                         tcfg=tiny(steps=40, batch_size=16, lr=1e-3, eval_interval=40, checkpoint_interval=40),
-                         **QUIET)
-    return root / "rm", summary
+    """A reward model trained from the SFT start on addition2's pairs (``task_pairs``): the correct sum against the
+    same sum with one digit moved by ±1, 400 steps of 32 pairs. (On arithmetic's pairs this tiny trunk stays near
+    chance: 0.54 after 400 steps, 0.52 after 1,000; README.)"""
+    run = tmp_path_factory.mktemp("rm") / "rm"
+    summary = reward_run(run, sft_start, task="addition2", n_train=4000,
+                         tcfg=tiny(steps=400, batch_size=32, lr=2e-3, warmup_steps=10, eval_interval=400,
+                                   checkpoint_interval=400), **QUIET)
+    return run, summary
 
 
-def test_reward_model_prefers_on_heldout_pairs(reward_model, sft_start):
+def test_reward_model_prefers_correct_answers_on_heldout_pairs(reward_model, sft_start):
+    """Held-out pairs are addition2's 783 held-out problems, each against a one-digit corruption: chance is 0.5 (a
+    binomial standard deviation of 0.018), and ln 2 is the loss of a reward model that prefers nothing."""
     run, summary = reward_model
-    assert summary["val_accuracy"] > 0.9, summary  # ~100 held-out pairs (5 % by hash): chance is 0.5
+    assert summary["val_accuracy"] > 0.55 and summary["val_loss"] < 0.65, summary  # measured 0.593, 0.589
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["loss"] == pytest.approx(0.6931471805599453, abs=1e-6)  # zero head: every pair at ln 2
     rm = load_reward_model(run)
@@ -69,20 +62,22 @@ def test_reward_model_prefers_on_heldout_pairs(reward_model, sft_start):
 
 def test_dpo_raises_heldout_exact_match_above_its_sft_start(sft_start, tmp_path):
     """DPO on correct-vs-corrupted pairs with the chosen-reply NLL term (α = 1; pure DPO lowers exact match on
-    these one-digit-apart pairs, README): more held-out problems right than the SFT start, greedy, all 783."""
+    these one-digit-apart pairs, README): more held-out problems right than the SFT start, greedy, all 1,000."""
     summary = dpo_run(tmp_path / "dpo", sft_start, task=TASK, beta=0.1, nll_weight=1.0, n_train=2000,
                       eval_examples=None, tcfg=tiny(steps=60, batch_size=16, lr=3e-4, warmup_steps=5,
                                                     eval_interval=60, checkpoint_interval=60), **QUIET)
-    assert summary["heldout_accuracy"] > summary["base_heldout_accuracy"], summary
+    assert summary["heldout_accuracy"] >= summary["base_heldout_accuracy"] + 0.01, summary  # 21.9 % → 23.8 %
     assert summary["val_margin"] > 0 and summary["val_accuracy"] > 0.5, summary  # the implicit reward ranks pairs
 
 
 def test_rl_raises_heldout_exact_match_above_its_sft_start(sft_start, tmp_path):
-    """On-policy RL with the checker's reward, 16 prompts × 8 replies per step, β = 0.05."""
+    """On-policy RL with the checker's reward, 150 steps of 16 prompts × 8 replies, β = 0.05. (At lr 1e-3, or
+    3e-4 for 60 steps, exact match stays put or falls: Adam's first steps move every weight by about lr whatever
+    the gradient's noise; README.)"""
     summary = rl_run(tmp_path / "rl", sft_start, task=TASK, beta=0.05, k=8, eval_examples=None,
-                     tcfg=tiny(steps=60, batch_size=16, lr=3e-4, warmup_steps=5, eval_interval=60,
-                               checkpoint_interval=60), **QUIET)
-    assert summary["heldout_accuracy"] > summary["base_heldout_accuracy"], summary
+                     tcfg=tiny(steps=150, batch_size=16, lr=1e-4, warmup_steps=5, eval_interval=150,
+                               checkpoint_interval=150), **QUIET)
+    assert summary["heldout_accuracy"] >= summary["base_heldout_accuracy"] + 0.01, summary  # 21.9 % → 23.6 %
     assert 0 < summary["kl"] < 1.0 and summary["response_length"] > 1, summary
 
 

@@ -39,17 +39,16 @@ def test_pack_keeps_conversations_apart():
         pack(convs, 10, tok.pad_id)
 
 
-def test_full_sft_teaches_arithmetic(base_run, tmp_path):
-    tcfg = TrainConfig(**SFT, steps=600, eval_interval=600, checkpoint_interval=600)
-    summary = sft_run(tmp_path / "full", base_run, tcfg=tcfg, task="arithmetic", n_train=4000, eval_examples=400,
-                      show_progress=False, log=lambda *a: None)
+def test_full_sft_teaches_arithmetic(arithmetic_sft):
+    """The shared 4,000-step run: held-out exact match over all 1,000 held-out problems, from 0 to above 15 %."""
+    summary = json.loads((arithmetic_sft / "summary.json").read_text())
     assert summary["base_heldout_accuracy"] == 0.0
-    assert summary["heldout_accuracy"] > summary["base_heldout_accuracy"], summary
+    assert summary["heldout_accuracy"] > 0.15, summary
     assert summary["trainable_params"] == BASE_CFG.param_count()
-    cfg, _, info = read_run_files(tmp_path / "full")
+    cfg, tcfg, info = read_run_files(arithmetic_sft)
     assert info["sft"]["task"] == "arithmetic" and info["sft"]["lora"] is None and cfg == BASE_CFG
-    res = eval_task(load_params(tmp_path / "full", cfg, tcfg), cfg, ByteTokenizer(), "arithmetic", n=400)
-    assert res["accuracy"] == summary["heldout_accuracy"] and res["n"] == 400
+    res = eval_task(load_params(arithmetic_sft, cfg, tcfg), cfg, ByteTokenizer(), "arithmetic", n=400)
+    assert res["n"] == 400 and res["accuracy"] > 0.15
 
 
 def test_lora_run_checkpoints_adapters_merges_and_resumes(base_run, tmp_path):

@@ -27,3 +27,15 @@ def pretrain(root: Path) -> Path:
     train_run(root / "base", BASE_CFG, tcfg, spec, show_progress=False, cache_dir=root / "cache", sample_tokens=4,
               log=lambda *a: None)
     return root / "base"
+
+
+def sft_arithmetic(root: Path, base: Path) -> Path:
+    """The tiny base fully fine-tuned on ``arithmetic`` for 4,000 steps (about 80 s on 2 cores): past the steps
+    where held-out exact match jumps (3.75 % after 1,500 steps, 23 % after 4,000), so the preference runs start
+    from a model that answers a fifth of the problems."""
+    from mlx_llm.post.sft import sft_run
+
+    tcfg = TrainConfig(**SFT, steps=4000, eval_interval=4000, checkpoint_interval=4000)
+    sft_run(root / "sft", base, tcfg=tcfg, task="arithmetic", n_train=20_000, eval_examples=None,
+            show_progress=False, log=lambda *a: None)
+    return root / "sft"

@@ -205,15 +205,15 @@ class PairData:
 
 def load_pairs(base, tcfg, *, data=None, task=None, n_train=None, model_negatives=False):
     """``PairData`` of a JSONL file (``VAL_PERCENT`` held out by hash) or of a task (its train split, up to
-    ``n_train`` problems; 200 of its heldout split), for ``base`` (a ``loop.Base``: tokenizer, template, and the
-    model that answers when ``model_negatives``)."""
+    ``n_train`` problems; every problem of its heldout split, for arithmetic its default sample of 1,000), for
+    ``base`` (a ``loop.Base``: tokenizer, template, and the model that answers when ``model_negatives``)."""
     if (data is None) == (task is None):
         raise ConfigError(f"give exactly one of a pair file (--data FILE.jsonl) and a task (--task NAME: "
                           f"{list(tasks_lib.TASKS)})")
     if task is not None:
         policy = (base.params, base.cfg, base.tok, base.template) if model_negatives else None
         train = task_pairs(task, "train", n=n_train, seed=tcfg.seed, policy=policy)
-        val = task_pairs(task, "heldout", n=200, seed=tcfg.seed)
+        val = task_pairs(task, "heldout", seed=tcfg.seed)
     else:
         train, val = split_pairs(read_pairs(data))
     return PairData.build(train, val, base.tok, base.template, tcfg.seq_len)
