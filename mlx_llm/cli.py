@@ -302,7 +302,7 @@ def _print_heldout(summary: dict) -> None:
 
 PREF_TRAIN = {kind: TrainConfig(batch_size=16, seq_len=128, steps=200, lr=lr, warmup_steps=10, eval_interval=100,
                                  checkpoint_interval=50, weight_decay=0.0)
-              for kind, lr in (("reward", 3e-4), ("dpo", 1e-4), ("rl", 1e-4))}
+              for kind, lr in (("reward", 3e-4), ("dpo", 1e-5), ("rl", 2e-5))}
 PREF_BETA = {"dpo": 0.1, "rl": 0.05}
 
 
