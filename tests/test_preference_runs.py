@@ -51,7 +51,7 @@ def test_reward_model_prefers_correct_answers_on_heldout_pairs(reward_model, sft
     """Held-out pairs are addition2's 783 held-out problems, each against a one-digit corruption: chance is 0.5 (a
     binomial standard deviation of 0.018), and ln 2 is the loss of a reward model that prefers nothing."""
     run, summary = reward_model
-    assert summary["val_accuracy"] > 0.55 and summary["val_loss"] < 0.65, summary  # measured 0.593, 0.589
+    assert summary["val_accuracy"] > 0.55 and summary["val_loss"] < 0.65, summary  # measured 0.586, 0.589
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["loss"] == pytest.approx(0.6931471805599453, abs=1e-6)  # zero head: every pair at ln 2
     rm = load_reward_model(run)
