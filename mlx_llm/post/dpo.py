@@ -25,6 +25,7 @@ from mlx_llm.errors import ConfigError
 from mlx_llm.post import loop
 from mlx_llm.post import lora as lora_lib
 from mlx_llm.post import pairs as pairs_lib
+from mlx_llm.train.metrics import write_summary
 
 
 # ----- the equations ------------------------------------------------------------------------------------------
@@ -147,4 +148,4 @@ def dpo_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, beta: fl
             summary["heldout_accuracy"] = eval_task(params, base.cfg, base.tok, task, base.template, n=eval_examples)["accuracy"]
             if before is not None:
                 summary["base_heldout_accuracy"] = before["accuracy"]
-        return loop.write_summary(run_dir, summary)
+        return write_summary(run_dir, summary)

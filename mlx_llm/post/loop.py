@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import time
 from pathlib import Path
@@ -32,7 +31,6 @@ from mlx_llm.train.checkpoint import Checkpoints, abstract_like, read_run_files,
 from mlx_llm.train.metrics import METRICS_FILE, TrainingDiverged, append_metrics, progress_bar, truncate_metrics
 from mlx_llm.train.step import TrainState, init_state, optimizer_for, schedule_for
 
-SUMMARY_FILE = "summary.json"
 LossFn = Callable[[Any, Any, dict], tuple[jax.Array, dict]]
 
 
@@ -182,8 +180,3 @@ def post_loop(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, trainable, fro
         result = evaluate(state.params)
     return {"state": state, "last": last, "eval": result, "wall_seconds": time.perf_counter() - t0,
             "steps": int(state.step)}
-
-
-def write_summary(run_dir: Path, summary: dict) -> dict:
-    (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
-    return summary

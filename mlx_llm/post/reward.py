@@ -31,6 +31,7 @@ from mlx_llm.post import pairs as pairs_lib
 from mlx_llm.post.chat import ChatTemplate
 from mlx_llm.train import tokenizer as tok_lib
 from mlx_llm.train.checkpoint import read_run_files
+from mlx_llm.train.metrics import write_summary
 
 
 # ----- the equations ------------------------------------------------------------------------------------------
@@ -129,7 +130,7 @@ def reward_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, data=
                              lambda s, _: (data_.train_batch(s, tcfg.batch_size, tcfg.seed), {}),
                              evaluate=make_eval(base.cfg, lora_cfg, frozen, data_, tcfg.batch_size),
                              resume=resume, show_progress=show_progress, max_seconds=max_seconds, log=log)
-        return loop.write_summary(run_dir, {"steps": out["steps"], "wall_seconds": out["wall_seconds"], **out["eval"]})
+        return write_summary(run_dir, {"steps": out["steps"], "wall_seconds": out["wall_seconds"], **out["eval"]})
 
 
 @dataclasses.dataclass

@@ -35,6 +35,7 @@ from mlx_llm.post import lora as lora_lib
 from mlx_llm.post import pairs as pairs_lib
 from mlx_llm.post import tasks as tasks_lib
 from mlx_llm.train.data import epoch_order
+from mlx_llm.train.metrics import write_summary
 
 
 # ----- the equations ------------------------------------------------------------------------------------------
@@ -233,4 +234,4 @@ def rl_run(run_dir, base_run=None, *, task: str | None = None, tcfg: TrainConfig
                    **{key: out["last"].get(key) for key in ("reward", "accuracy", "kl", "response_length")}}
         if before is not None:
             summary["base_heldout_accuracy"] = before["accuracy"]
-        return loop.write_summary(run_dir, summary)
+        return write_summary(run_dir, summary)

@@ -19,7 +19,6 @@ task's exact checker (``tasks.check``).
 from __future__ import annotations
 
 import dataclasses
-import json
 import shutil
 import time
 from pathlib import Path
@@ -35,10 +34,10 @@ from mlx_llm.post.chat import ChatTemplate, read_conversations
 from mlx_llm.train import tokenizer as tok_lib
 from mlx_llm.train.checkpoint import Checkpoints, read_run_files, write_run_files
 from mlx_llm.train.data import ValSet, epoch_order, val_score
+from mlx_llm.train.metrics import write_summary
 
 REPLY_TOKENS = {"arithmetic": 8, "addition2": 8, "name_function": 40}  # new tokens eval_task allows per reply
 VAL_PERCENT = 5.0  # share of a data file's conversations held out (by a stable hash of their text)
-SUMMARY_FILE = "summary.json"
 
 
 # ----- data ---------------------------------------------------------------------------------------------------
@@ -200,7 +199,7 @@ def sft_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, data=Non
             summary["heldout_examples"] = after["n"]
             if before is not None:
                 summary["base_heldout_accuracy"] = before["accuracy"]
-        (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+        write_summary(run_dir, summary)
     return summary
 
 

@@ -1,5 +1,6 @@
 """A run's metrics: metrics.jsonl (written by process 0 alone), the divergence check at each readback, MoE
-expert-load rows, the loss plot and the progress bar, shared by pretraining, SFT and the preference runs."""
+expert-load rows, the loss plot, the progress bar and summary.json, shared by pretraining, SFT and the preference
+runs."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from mlx_llm.errors import MLXLLMError
 from mlx_llm.layers.moe import load_imbalance, per_layer_loads
 from mlx_llm.train.parallel import is_main_process
 
-METRICS_FILE, PLOT_FILE = "metrics.jsonl", "loss.png"
+METRICS_FILE, PLOT_FILE, SUMMARY_FILE = "metrics.jsonl", "loss.png", "summary.json"
 
 
 class TrainingDiverged(MLXLLMError):
@@ -39,6 +40,12 @@ def append_metrics(path: Path, rows: list[dict]) -> None:
     with path.open("a") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
+
+
+def write_summary(run_dir: Path, summary: dict) -> dict:
+    """Write ``summary`` as the run's summary.json; returns it."""
+    (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
 
 
 def plot_losses(metrics_path: Path, out: Path) -> None:

@@ -8,7 +8,6 @@ after every step before it has been checked finite: a diverged run keeps its las
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import time
 from pathlib import Path
@@ -26,13 +25,13 @@ from mlx_llm.config import ModelConfig, TrainConfig
 from mlx_llm.errors import CheckpointError, ConfigError
 from mlx_llm.model import check_tokens
 from mlx_llm.train.metrics import (METRICS_FILE, PLOT_FILE, Progress, append_metrics, flush, plot_losses,
-                                   progress_bar, truncate_metrics)
+                                   progress_bar, truncate_metrics, write_summary)
 from mlx_llm.train.parallel import (agree, check_batch_divisible, gather_to_host, is_main_process, local_rows, make_mesh,
                                    replicated, shard_tree, sync)
 from mlx_llm.train.step import (EvalResult, device_batch, evaluate, init_state, jit_train_step, make_eval_step,
                                 optimizer_for, place_state)
 
-SUMMARY_FILE, SAMPLE_FILE = "summary.json", "sample.txt"
+SAMPLE_FILE = "sample.txt"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,7 +289,7 @@ def train_run(run_dir, cfg: ModelConfig | None, tcfg: TrainConfig | None, spec: 
             summary["sample"] = closing_sample(params, cfg, tok, sample_prompt, sample_tokens, seed=tcfg.seed,
                                                objective=tcfg.objective)
             (run_dir / SAMPLE_FILE).write_text(summary["sample"], encoding="utf-8")
-            (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+            write_summary(run_dir, summary)
         sync("written")
     return summary
 
