@@ -24,7 +24,7 @@ ROUTERS = ("sigmoid", "softmax")
 OBJECTIVES = ("ar", "diffusion")  # TrainConfig.objective
 MESH_AXES = ("data", "fsdp", "tensor")  # TrainConfig.mesh (train/parallel.py)
 REMAT_POLICIES = ("none", "full", "dots")  # TrainConfig.remat (model.run_stack)
-SSM_SCANS = ("fused", "associative")  # how the Mamba recurrence runs over a sequence (layers/mamba.py)
+SSM_SCANS = ("fused", "associative", "chunked", "auto")  # how the Mamba recurrence runs (layers/mamba.py)
 _NEEDS = {"attn": ("n_heads", "n_kv_heads", "d_head"), "mamba": (), "swiglu": ("d_ff",),
           "moe": ("n_experts", "moe_top_k", "moe_d_ff"), "none": ()}
 
