@@ -12,7 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from mlx_llm.config import COMPUTE_DTYPES, OBJECTIVES, REMAT_POLICIES, ModelConfig, TrainConfig
+from mlx_llm.config import (ATTENTION_IMPLS, COMPUTE_DTYPES, MOE_IMPLS, OBJECTIVES, REMAT_POLICIES, ModelConfig,
+                            TrainConfig)
 from mlx_llm.post.tasks import TASKS
 from mlx_llm.errors import MLXLLMError
 
@@ -30,7 +31,35 @@ MAIN_JOB_VOCAB = 1024
 TRAIN_FLAGS = {"steps": int, "batch_size": int, "seq_len": int, "lr": float, "warmup_steps": int,
                "grad_accum": int, "eval_interval": int, "eval_tokens": int, "checkpoint_interval": int,
                "keep_checkpoints": int, "seed": int, "compute_dtype": str, "weight_decay": float,
-               "clip_norm": float, "log_interval": int, "objective": str, "mesh": str, "remat": str}
+               "clip_norm": float, "log_interval": int, "objective": str, "mesh": str, "remat": str,
+               "attention_impl": str, "moe_impl": str, "loss_chunk": str}
+KERNEL_FLAGS = ("attention_impl", "moe_impl", "loss_chunk")  # execution paths (kernels.Kernels)
+
+
+def loss_chunk(text: str):
+    """``--loss-chunk``: a number of rows (0 = whole logits) or "auto"."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: give a number of rows (0 = the whole logits at "
+                                         f"once) or 'auto'") from None
+
+
+KERNEL_FLAG_KWARGS = {
+    "attention_impl": {"choices": ATTENTION_IMPLS, "help": "attention implementation (default auto: splash on "
+                       "TPU, pallas_gpu on GPU, xla on the CPU; flash: blockwise, linear memory, any backend)"},
+    "moe_impl": {"choices": MOE_IMPLS, "help": "MoE grouped product (default auto: megablox on TPU, ragged_dot on "
+                 "GPU, block on the CPU)"},
+    "loss_chunk": {"type": loss_chunk, "metavar": "N|auto", "help": "rows of logits formed at a time by the loss "
+                   "(0: all; default auto: chunked on accelerators, whole on the CPU)"},
+}
+
+
+def add_kernel_flags(parser, default=None) -> None:
+    for flag, kwargs in KERNEL_FLAG_KWARGS.items():
+        parser.add_argument("--" + flag.replace("_", "-"), dest=flag, default=default, **kwargs)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -76,13 +105,28 @@ def build_parser() -> argparse.ArgumentParser:
                   "remat": {"choices": REMAT_POLICIES, "help": "recompute activations per layer in the backward "
                             "pass: none (default), full or dots"},
                   "objective": {"choices": OBJECTIVES, "help": "ar (next token, default) or diffusion (masked "
-                                "diffusion: a bidirectional denoiser trained on the NELBO bound)"}}.get(flag, {})
-        tr.add_argument("--" + flag.replace("_", "-"), type=typ, dest=flag, **kwargs)
+                                "diffusion: a bidirectional denoiser trained on the NELBO bound)"},
+                  **KERNEL_FLAG_KWARGS}.get(flag, {})
+        tr.add_argument("--" + flag.replace("_", "-"), **{"type": typ, "dest": flag, **kwargs})
 
     ev = sub.add_parser("eval", help="val loss, perplexity and bits per byte of a run's latest checkpoint")
     ev.add_argument("--run", type=Path, required=True)
     ev.add_argument("--step", type=int, help="checkpoint step (default: latest)")
     ev.add_argument("--cache-dir", type=Path)
+    add_kernel_flags(ev, default="auto")
+
+    co = sub.add_parser("compile", help="pre-flight: compile a configuration's train step ahead of time (for "
+                        "the local devices or a TPU topology) and print its per-device memory")
+    co.add_argument("--config", type=Path, help="model config.json (default: the main job's model)")
+    co.add_argument("--train-config", type=Path, help="train_config.json (default: the main job's settings)")
+    co.add_argument("--target", default="local", help="local (default) or tpu:<generation>-<N>, e.g. tpu:v5e-4, "
+                    "tpu:v5p-16, tpu:v6e-4 (N: chips for v5e/v6e, TensorCores for v4/v5p)")
+    co.add_argument("--json", action="store_true", help="print one JSON object")
+    for flag in ("batch_size", "seq_len", "grad_accum", "mesh", "remat", "compute_dtype", "objective",
+                 "attention_impl", "moe_impl", "loss_chunk"):
+        kwargs = {"compute_dtype": {"choices": COMPUTE_DTYPES}, "remat": {"choices": REMAT_POLICIES},
+                  "objective": {"choices": OBJECTIVES}, **KERNEL_FLAG_KWARGS}.get(flag, {})
+        co.add_argument("--" + flag.replace("_", "-"), **{"type": TRAIN_FLAGS[flag], "dest": flag, **kwargs})
 
     sf = sub.add_parser("sft", help="fine-tune a pretrained run on conversations (full or LoRA)")
     sf.add_argument("--base", type=Path, help="the pretrained run directory")
@@ -99,7 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     sf.add_argument("--no-progress", action="store_true")
     for flag, typ in TRAIN_FLAGS.items():
         if flag not in ("objective", "compute_dtype"):
-            sf.add_argument("--" + flag.replace("_", "-"), type=typ, dest=flag)
+            sf.add_argument("--" + flag.replace("_", "-"), **{"type": typ, "dest": flag,
+                                                               **KERNEL_FLAG_KWARGS.get(flag, {})})
 
     for name, help_ in (("reward", "train a Bradley–Terry reward model on preference pairs"),
                         ("dpo", "direct preference optimisation of a run on preference pairs"),
@@ -177,14 +222,14 @@ def add_post_parser(pp, kind: str) -> None:
     pp.add_argument("--lora-targets", default="wq,wv", help="comma-separated weight keys (default %(default)s)")
     pp.add_argument("--no-progress", action="store_true")
     for flag, typ in TRAIN_FLAGS.items():
-        if flag not in ("objective", "compute_dtype", "grad_accum", "mesh", "remat"):
+        if flag not in ("objective", "compute_dtype", "grad_accum", "mesh", "remat", *KERNEL_FLAGS):
             pp.add_argument("--" + flag.replace("_", "-"), type=typ, dest=flag)
 
 
 def train_configs(args) -> tuple[ModelConfig, TrainConfig]:
     cfg = ModelConfig.from_json(args.config) if args.config else MAIN_JOB_MODEL
     tcfg = TrainConfig.from_json(args.train_config) if args.train_config else MAIN_JOB_TRAIN
-    overrides = {k: getattr(args, k) for k in TRAIN_FLAGS if getattr(args, k) is not None}
+    overrides = {k: getattr(args, k) for k in TRAIN_FLAGS if getattr(args, k, None) is not None}
     if overrides:
         tcfg = TrainConfig(**{**tcfg.to_dict(), **overrides})
     return cfg, tcfg
@@ -246,10 +291,26 @@ def _is_diffusion(run_dir) -> bool:
 def cmd_eval(args) -> int:
     from mlx_llm.train.run import evaluate_run
 
-    step, res = evaluate_run(args.run, cache_dir=args.cache_dir, step=args.step)
+    from mlx_llm.kernels import Kernels
+
+    kernels = Kernels(attention_impl=args.attention_impl, moe_impl=args.moe_impl, loss_chunk=args.loss_chunk)
+    step, res = evaluate_run(args.run, cache_dir=args.cache_dir, step=args.step, kernels=kernels)
     bound = " (diffusion NELBO: upper bounds)" if _is_diffusion(args.run) else ""
     print(f"{args.run} step {step}: val loss {res.loss:.4f} nats/token, perplexity {res.perplexity:.3f}, "
           f"bits/byte {res.bits_per_byte:.4f}{bound} ({res.n_targets:,} tokens, {res.n_bytes:,} bytes)")
+    return 0
+
+
+def cmd_compile(args) -> int:
+    """The pre-flight check: exit 0 when the step fits the target, 1 (one line: by how much, what helps) when not."""
+    from mlx_llm.train.preflight import advice, compile_step, format_report
+
+    cfg, tcfg = train_configs(args)
+    out = compile_step(cfg, tcfg, args.target)
+    print(json.dumps(out, indent=2) if args.json else format_report(out))
+    if not out["fits"]:
+        print(f"mlx-llm compile: {advice(out)}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -434,7 +495,7 @@ def cmd_import(args) -> int:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    command = {"train": cmd_train, "eval": cmd_eval, "generate": cmd_generate, "sft": cmd_sft,
+    command = {"train": cmd_train, "eval": cmd_eval, "compile": cmd_compile, "generate": cmd_generate, "sft": cmd_sft,
                "reward": cmd_post, "dpo": cmd_post, "rl": cmd_post, "eval-task": cmd_eval_task, "chat": cmd_chat, "export-merged": cmd_export_merged,
                "export": cmd_export, "import": cmd_import}[args.command]
     try:

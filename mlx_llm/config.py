@@ -25,6 +25,8 @@ OBJECTIVES = ("ar", "diffusion")  # TrainConfig.objective
 MESH_AXES = ("data", "fsdp", "tensor")  # TrainConfig.mesh (train/parallel.py)
 REMAT_POLICIES = ("none", "full", "dots")  # TrainConfig.remat (model.run_stack)
 SSM_SCANS = ("fused", "associative", "chunked", "auto")  # how the Mamba recurrence runs (layers/mamba.py)
+ATTENTION_IMPLS = ("xla", "flash", "splash", "pallas_gpu", "auto")  # kernels.Kernels.attention_impl
+MOE_IMPLS = ("block", "ragged_dot", "megablox", "auto")  # kernels.Kernels.moe_impl
 _NEEDS = {"attn": ("n_heads", "n_kv_heads", "d_head"), "mamba": (), "swiglu": ("d_ff",),
           "moe": ("n_experts", "moe_top_k", "moe_d_ff"), "none": ()}
 
@@ -368,6 +370,11 @@ class TrainConfig(JsonConfig):
     objective: str = "ar"
     mesh: str = ""  # "data=2,fsdp=4,tensor=1" (train/parallel.py); "" = every device on data
     remat: str = "none"  # activation recomputation per layer: "none", "full" or "dots" (model.run_stack)
+    # Execution paths (kernels.Kernels; "auto" per backend): they change no number beyond float tolerance.
+    attention_impl: str = "auto"
+    moe_impl: str = "auto"
+    loss_chunk: int | str = "auto"
+    interpret_kernels: bool = False  # Pallas kernels in interpret mode (tests), never chosen by "auto"
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -397,3 +404,12 @@ class TrainConfig(JsonConfig):
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ConfigError(f"TrainConfig.compute_dtype = {self.compute_dtype!r} is invalid: valid values are "
                               f"{list(COMPUTE_DTYPES)}")
+        self.kernels()  # validates the execution-path fields
+
+    def kernels(self, platform: str | None = None, *, resolve: bool = False):
+        """The run's execution paths (``kernels.Kernels``), resolved for ``platform`` when ``resolve``."""
+        from mlx_llm.kernels import Kernels
+
+        k = Kernels(attention_impl=self.attention_impl, moe_impl=self.moe_impl, loss_chunk=self.loss_chunk,
+                    interpret=self.interpret_kernels)
+        return k.resolve(platform) if resolve else k

@@ -29,7 +29,9 @@ import numpy as np
 
 from mlx_llm.config import ModelConfig
 from mlx_llm.errors import InputError
+from mlx_llm.kernels import REFERENCE, Kernels
 from mlx_llm.layers import attention, ffn, mamba, moe
+from mlx_llm.objectives.loss import token_nll
 from mlx_llm.ops import causal_mask, dense, document_mask, rms_norm
 
 Params = dict
@@ -42,12 +44,15 @@ _DRAWS = {"attn": 4, "mamba": mamba.DRAWS, "swiglu": 3, "moe": 7, "none": 0}
 
 
 class Context(NamedTuple):
-    """What every layer of one forward shares: positions (B, T) and the boolean attention mask (B, T, S)."""
+    """What every layer of one forward shares: positions (B, T), the boolean attention mask (B, T, S) of the
+    reference attention path (None for the other paths, which read ``segment_ids_BT``) and the execution
+    paths (``Kernels``, resolved)."""
 
     positions_BT: jax.Array
     mask_BTS: jax.Array | None
     segment_ids_BT: jax.Array | None = None
     slots_BT: jax.Array | None = None  # cached decoding only: where new K/V are written
+    kernels: Kernels = REFERENCE
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32) -> Params:
@@ -117,6 +122,8 @@ def apply_layer(h_BTD, layer, kinds: tuple[str, str], cfg: ModelConfig, ctx: Con
     h_BTD = MIXERS[mixer_kind].branch(h_BTD, layer, cfg, ctx)
     if ffn_kind == "none":
         return h_BTD, {}
+    if ffn_kind == "moe":
+        return moe.branch(h_BTD, layer, cfg, impl=ctx.kernels.moe_impl, interpret=ctx.kernels.interpret)
     return FFNS[ffn_kind].branch(h_BTD, layer, cfg)
 
 
@@ -137,6 +144,20 @@ def logits_from_hidden(h_BTD, params: Params, cfg: ModelConfig) -> jax.Array:
     r_BTD = rms_norm(h_BTD, params["final_norm"], cfg.norm_eps)
     acc = jnp.promote_types(r_BTD.dtype, jnp.float32)  # logits leave in ≥ float32 for softmax and loss
     return dense(r_BTD, unembed_matrix(params, cfg), preferred_element_type=acc)
+
+
+def nll_from_hidden(h_BTD, targets_BT, params: Params, cfg: ModelConfig, loss_chunk: int | str = 0) -> jax.Array:
+    """−log p(x_t | x_<t) (B, T) from H⁽ᴸ⁾ (M20 §8, §10). ``loss_chunk`` 0 forms the whole (B, T, V) logits;
+    N (or "auto", sized by ``kernels.loss.choose_chunk``) forms N rows of them at a time, in the forward and again
+    in the backward (kernels/loss.py): the same values and gradients without the (B, T, V) tensor."""
+    if not loss_chunk:
+        return token_nll(logits_from_hidden(h_BTD, params, cfg), targets_BT)
+    from mlx_llm.kernels.loss import choose_chunk, chunked_token_nll
+
+    r_BTD = rms_norm(h_BTD, params["final_norm"], cfg.norm_eps)
+    if loss_chunk == "auto":
+        loss_chunk = choose_chunk(h_BTD.shape[0] * h_BTD.shape[1], cfg.vocab_size)
+    return chunked_token_nll(r_BTD, unembed_matrix(params, cfg), targets_BT, chunk=loss_chunk)
 
 
 REMAT = {"full": jax.checkpoint_policies.nothing_saveable, "dots": jax.checkpoint_policies.dots_saveable}
@@ -166,25 +187,37 @@ def run_stack(h_BTD, params: Params, cfg: ModelConfig, ctx: Context, remat: str 
     return jax.lax.scan(step, h_BTD, params["blocks"])
 
 
+def resolved(kernels: Kernels | None) -> Kernels:
+    """``kernels`` (default: the reference paths), resolved for the default backend unless it already is."""
+    kernels = REFERENCE if kernels is None else kernels
+    return kernels if kernels.platform is not None else kernels.resolve()
+
+
 def hidden_states(params: Params, tokens_BT, cfg: ModelConfig, *, positions_BT=None, segment_ids_BT=None,
-                  return_aux: bool = False, remat: str = "none"):
-    """H⁽ᴸ⁾ = (B_L ∘ … ∘ B_1)(E[x]) (and, with ``return_aux``, the per-layer MoE loads); ``remat``: run_stack."""
+                  return_aux: bool = False, remat: str = "none", kernels: Kernels | None = None):
+    """H⁽ᴸ⁾ = (B_L ∘ … ∘ B_1)(E[x]) (and, with ``return_aux``, the per-layer MoE loads); ``remat``: run_stack;
+    ``kernels``: the execution paths (default the exact reference ones; kernels/__init__.py)."""
     b, t = tokens_BT.shape
+    kernels = resolved(kernels)
     if positions_BT is None:
         positions_BT = jnp.broadcast_to(jnp.arange(t), (b, t))
-    mask = causal_mask if cfg.causal else document_mask
-    ctx = Context(positions_BT, mask(segment_ids_BT, b, t), segment_ids_BT)
+    mask_BTS = None
+    if kernels.attention_impl == "xla" and "attn" in cfg.mixer_pattern:  # built once, shared by every layer
+        mask_BTS = (causal_mask if cfg.causal else document_mask)(segment_ids_BT, b, t)
+    ctx = Context(positions_BT, mask_BTS, segment_ids_BT, kernels=kernels)
     h_BTD, aux = run_stack(embed(params, tokens_BT), params, cfg, ctx, remat)
     return (h_BTD, aux) if return_aux else h_BTD
 
 
-def forward(params: Params, tokens_BT, cfg: ModelConfig, *, positions_BT=None, segment_ids_BT=None) -> jax.Array:
+def forward(params: Params, tokens_BT, cfg: ModelConfig, *, positions_BT=None, segment_ids_BT=None,
+            kernels: Kernels | None = None) -> jax.Array:
     """Logits Λ (B, T, V) for every position (M20 §20's boxed equation, all rows kept).
 
     Positions default to 0 … T−1. For packed windows pass ``segment_ids_BT`` (attention never crosses a
-    document boundary) and ``positions_BT`` restarting at each document.
+    document boundary) and ``positions_BT`` restarting at each document. ``kernels``: see ``hidden_states``.
     """
     check_tokens(tokens_BT, cfg)
     tokens_BT = jnp.asarray(tokens_BT)
-    h_BTD = hidden_states(params, tokens_BT, cfg, positions_BT=positions_BT, segment_ids_BT=segment_ids_BT)
+    h_BTD = hidden_states(params, tokens_BT, cfg, positions_BT=positions_BT, segment_ids_BT=segment_ids_BT,
+                          kernels=kernels)
     return logits_from_hidden(h_BTD, params, cfg)

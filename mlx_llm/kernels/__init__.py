@@ -12,11 +12,8 @@ import dataclasses
 
 import jax
 
-from mlx_llm.config import JsonConfig
+from mlx_llm.config import ATTENTION_IMPLS, MOE_IMPLS, JsonConfig
 from mlx_llm.errors import ConfigError
-
-ATTENTION_IMPLS = ("xla", "flash", "splash", "pallas_gpu", "auto")
-MOE_IMPLS = ("block", "ragged_dot", "megablox", "auto")
 # Which backend each accelerator kernel runs on (interpret mode runs any of them on the CPU, for tests).
 KERNEL_BACKEND = {"splash": "tpu", "pallas_gpu": "gpu", "megablox": "tpu"}
 
@@ -25,3 +22,73 @@ def backend_platform(backend: str | None = None) -> str:
     """"cpu", "gpu" or "tpu" of the default backend (or of ``backend``)."""
     platform = (backend or jax.default_backend()).lower()
     return "gpu" if platform in ("cuda", "rocm", "gpu") else platform
+
+
+def _choose(name: str, value, valid) -> None:
+    if value not in valid:
+        raise ConfigError(f"Kernels.{name} = {value!r} is invalid: valid values are {list(valid)}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Kernels(JsonConfig):
+    """How the hot operations run (DESIGN §6); hashable, so a static argument of the jitted functions.
+
+    ``attention_impl``: "xla" (the exact reference: a boolean (B, T, S) mask and the score tensor), "flash"
+    (pure JAX, blockwise online softmax with a recomputing backward: O(T·block) memory, every backend),
+    "splash" (TPU Pallas splash attention under ``shard_map``), "pallas_gpu" (the Triton Pallas ``mha``), "auto".
+    ``moe_impl``: "block" (sorted rows padded to blocks, the XLA:CPU path), "ragged_dot" (``jax.lax.ragged_dot``),
+    "megablox" (TPU Pallas ``gmm``), "auto". ``loss_chunk``: rows of logits computed at a time by the loss
+    (0 = all of them, the reference), or "auto". ``interpret`` runs the Pallas kernels in interpret mode on any
+    backend: for tests, never chosen by "auto". The Mamba scan is ``ModelConfig.ssm_scan`` (its "auto" is
+    resolved the same way, in ``layers/mamba.py``).
+    """
+
+    attention_impl: str = "xla"
+    moe_impl: str = "block"
+    loss_chunk: int | str = 0
+    interpret: bool = False
+    platform: str | None = None  # set by ``resolve``: the backend the choices were made for
+
+    def __post_init__(self) -> None:
+        _choose("attention_impl", self.attention_impl, ATTENTION_IMPLS)
+        _choose("moe_impl", self.moe_impl, MOE_IMPLS)
+        chunk = self.loss_chunk
+        if not (chunk == "auto" or (isinstance(chunk, int) and not isinstance(chunk, bool) and chunk >= 0)):
+            raise ConfigError(f"Kernels.loss_chunk = {chunk!r} is invalid: give a number of rows >= 1, 0 for the "
+                              f"whole logits at once, or 'auto'")
+        if self.platform not in (None, "any", "cpu", "gpu", "tpu"):
+            raise ConfigError(f"Kernels.platform = {self.platform!r} is invalid: valid values are cpu, gpu, tpu")
+        if not isinstance(self.interpret, bool):
+            raise ConfigError(f"Kernels.interpret = {self.interpret!r} is invalid: it must be true or false")
+
+    def resolve(self, platform: str | None = None) -> "Kernels":
+        """Concrete choices for ``platform`` ("cpu", "gpu", "tpu"; default: the default backend's).
+
+        "auto": attention splash on TPU, pallas_gpu on GPU, xla on the CPU (faster than flash there at the
+        lengths CPU runs use: experiments/bench_attention.py); MoE megablox on TPU, ragged_dot on GPU, block on
+        the CPU (XLA:CPU lowers ragged_dot to a masked dense product); the loss chunked on accelerators (sized
+        per call by ``kernels.loss.choose_chunk``), whole on the CPU. A kernel asked for by name on a backend
+        that cannot run it is refused (interpret mode is for tests, not a silent fallback).
+        """
+        platform = backend_platform(platform)
+        if self.platform not in (None, "any") and self.platform != platform:
+            return dataclasses.replace(self, platform=None).resolve(platform)
+        attn = self.attention_impl
+        if attn == "auto":
+            attn = {"tpu": "splash", "gpu": "pallas_gpu"}.get(platform, "xla")
+        moe = self.moe_impl
+        if moe == "auto":
+            moe = {"tpu": "megablox", "gpu": "ragged_dot"}.get(platform, "block")
+        chunk = self.loss_chunk
+        if chunk == "auto" and platform == "cpu":
+            chunk = 0
+        for name, impl, valid in (("attention_impl", attn, ATTENTION_IMPLS), ("moe_impl", moe, MOE_IMPLS)):
+            need = KERNEL_BACKEND.get(impl)
+            if need and need != platform and not self.interpret:
+                here = [v for v in valid if KERNEL_BACKEND.get(v) in (None, platform)]
+                raise ConfigError(f"{name} = {impl!r} is a {need.upper()} kernel and this backend is {platform!r}: "
+                                  f"valid here are {here}")
+        return dataclasses.replace(self, attention_impl=attn, moe_impl=moe, loss_chunk=chunk, platform=platform)
+
+
+REFERENCE = Kernels(platform="any")  # the exact paths: xla attention, block MoE, whole-logits loss

@@ -11,7 +11,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from mlx_llm.ops import attention, causal_attention, dense, rms_norm, rope
+from mlx_llm.kernels import attention as kernels
+from mlx_llm.ops import attention, dense, rms_norm, rope
 
 
 def init(cfg, normal, L: int, dtype) -> dict:
@@ -45,12 +46,13 @@ def attention_output(o_BTHK, layer) -> jax.Array:
 
 
 def branch(h_BTD, layer, cfg, ctx) -> jax.Array:
-    """M20 §7 first line: Z = H + A(N_γa(H)), over the whole sequence (``ctx.mask_BTS`` causal, per document;
-    bidirectional, per document, when ``cfg.causal`` is false)."""
+    """M20 §7 first line: Z = H + A(N_γa(H)), over the whole sequence (causal, per document; bidirectional, per
+    document, when ``cfg.causal`` is false), by the attention path ``ctx.kernels`` names (kernels/attention.py)."""
     x_BTD = rms_norm(h_BTD, layer["attn_norm"], cfg.norm_eps)
     q, k, v = attention_qkv(x_BTD, layer, cfg, ctx.positions_BT)
-    mix = causal_attention if getattr(cfg, "causal", True) else attention
-    return h_BTD + attention_output(mix(q, k, v, ctx.mask_BTS), layer)
+    o_BTHK = kernels.attention(q, k, v, ctx.segment_ids_BT, causal=getattr(cfg, "causal", True),
+                               kernels=ctx.kernels, mask_BTS=ctx.mask_BTS)
+    return h_BTD + attention_output(o_BTHK, layer)
 
 
 def cached_branch(h_BTD, layer, cfg, ctx, k_LBSGK, v_LBSGK, l):

@@ -152,6 +152,7 @@ def sft_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, data=Non
     """Fine-tune ``base_run`` on ``data`` or ``task`` into ``run_dir`` (or resume it); returns the summary, with
     the held-out task accuracy before (base) and after when a task is given. Everything is checked before the run
     directory is created."""
+    from mlx_llm.train.preflight import check_fits
     from mlx_llm.train.run import check_run_dir, locked_run_dir, train_loop
 
     run_dir = Path(run_dir)
@@ -174,6 +175,7 @@ def sft_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, data=Non
     template.check_tokenizer(tok)
     sft_data = load_data(tok, template, tcfg.seq_len, data=data, task=task, n_train=n_train, seed=tcfg.seed)
     adapters = None if lora_cfg is None else lora_lib.init(base_params, lora_cfg, jax.random.key(tcfg.seed))
+    check_fits(cfg, tcfg, lora_cfg=lora_cfg, mask_id=tok.mask_id)
     with locked_run_dir(run_dir, resume):  # held to the end of the run
         if not resume:
             info = {"sft": {"base": str(Path(base_run).resolve()), "base_step": base_step,

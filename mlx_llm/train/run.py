@@ -28,8 +28,9 @@ from mlx_llm.train.metrics import (METRICS_FILE, PLOT_FILE, Progress, append_met
                                    progress_bar, truncate_metrics, write_summary)
 from mlx_llm.train.parallel import (agree, check_batch_divisible, gather_to_host, is_main_process, local_rows, make_mesh,
                                    replicated, shard_tree, sync)
-from mlx_llm.train.step import (EvalResult, device_batch, evaluate, init_state, jit_train_step, make_eval_step,
-                                optimizer_for, place_state)
+from mlx_llm.train.preflight import check_fits
+from mlx_llm.train.step import (EvalResult, compiled_train_step, device_batch, evaluate, init_state, jit_train_step,
+                                make_eval_step, optimizer_for, place_state)
 
 SAMPLE_FILE = "sample.txt"
 
@@ -103,8 +104,8 @@ def train_loop(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, corpus, *, re
         raise CheckpointError(f"checkpoint {last_ckpt} is inconsistent: data cursor {int(state.data_step)} != step "
                               f"{int(state.step)}")
     truncate_metrics(metrics_path, int(state.step))
-    step_fn = jit_train_step(cfg, schedule_config(tcfg, schedule_steps), mesh, mask_id, lora_cfg)
-    eval_step = make_eval_step(cfg, mesh, tcfg.objective, mask_id)
+    step_fn = compiled_train_step(cfg, schedule_config(tcfg, schedule_steps), mesh, mask_id, lora_cfg)
+    eval_step = make_eval_step(cfg, mesh, tcfg.objective, mask_id, tcfg.kernels())
     extra = () if lora_cfg is None else (shard_tree(frozen, mesh),)
 
     def model_params(state):
@@ -255,6 +256,7 @@ def train_run(run_dir, cfg: ModelConfig | None, tcfg: TrainConfig | None, spec: 
     tok, text = read_text_and_tokenizer(run_dir, spec, cache_dir, tcfg.objective)
     cfg = finalize_config(cfg, tok, tcfg)
     check_batch_divisible(tcfg.batch_size, tcfg.grad_accum, make_mesh(tcfg.mesh))
+    check_fits(cfg, schedule_config(tcfg, plan.schedule_steps if plan else None), mask_id=tok.mask_id)
     if not main:
         sync("corpus")  # process 0 encodes (and caches) first; with a shared cache the others then read it
     corpus = data_lib.encode_corpus(text, tok, cache_dir)
@@ -294,8 +296,9 @@ def train_run(run_dir, cfg: ModelConfig | None, tcfg: TrainConfig | None, spec: 
     return summary
 
 
-def evaluate_run(run_dir, *, cache_dir=None, step: int | None = None) -> tuple[int, EvalResult]:
-    """Val loss, perplexity and bits per byte of a run's latest (or given) checkpoint on its whole val split."""
+def evaluate_run(run_dir, *, cache_dir=None, step: int | None = None, kernels=None) -> tuple[int, EvalResult]:
+    """Val loss, perplexity and bits per byte of a run's latest (or given) checkpoint on its whole val split;
+    ``kernels``: the execution paths (default "auto"), whatever the run was trained with."""
     run_dir = Path(run_dir)
     cfg, tcfg, info = read_run_files(run_dir)
     spec = DataSpec.from_dict(info["data"])
@@ -305,7 +308,7 @@ def evaluate_run(run_dir, *, cache_dir=None, step: int | None = None) -> tuple[i
     params = load_params(run_dir, cfg, tcfg, step)
     val_set = corpus.val_batches(tcfg.seq_len, tcfg.batch_size, None)
     ckpt_step = Checkpoints(run_dir).latest_step() if step is None else step
-    eval_step = make_eval_step(cfg, mesh, tcfg.objective, tok.mask_id)
+    eval_step = make_eval_step(cfg, mesh, tcfg.objective, tok.mask_id, kernels)
     return ckpt_step, evaluate(eval_step, params, val_set, mesh, tcfg.objective)
 
 

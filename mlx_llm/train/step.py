@@ -21,8 +21,7 @@ import optax
 
 from mlx_llm.config import ModelConfig, TrainConfig
 from mlx_llm.objectives import diffusion
-from mlx_llm.objectives.loss import token_nll
-from mlx_llm.model import hidden_states, init_params, logits_from_hidden
+from mlx_llm.model import hidden_states, init_params, logits_from_hidden, nll_from_hidden, resolved
 from mlx_llm.layers.moe import apply_offset_rule, zero_load
 from mlx_llm.train.optim import make_optimizer, strip_routing_state, warmup_cosine
 from mlx_llm.train.parallel import batch_sharding, global_batch, local_rows, replicated, tree_shardings
@@ -68,38 +67,44 @@ def cast_params(params, dtype):
     return jax.tree.map(lambda p: p.astype(dtype), params)
 
 
-def summed_loss_and_aux(params, batch, cfg: ModelConfig, compute_dtype, remat: str = "none"):
+def summed_loss_and_aux(params, batch, cfg: ModelConfig, compute_dtype, remat: str = "none", kernels=None):
     """(Σ_t b_t · −log p(x_t | x_<t), (Σ_t b_t, aux)) of one (micro-)batch; logits and loss in float32.
 
-    aux holds the MoE expert loads (assignments per expert, stacked like the blocks) of this batch.
+    aux holds the MoE expert loads (assignments per expert, stacked like the blocks) of this batch. ``kernels``:
+    the execution paths (default the reference ones), the loss chunked as ``kernels.loss_chunk`` says.
     """
+    kernels = resolved(kernels)
     p = cast_params(params, compute_dtype)
     h_BTD, aux = hidden_states(p, batch["tokens"], cfg, positions_BT=batch["positions"],
-                               segment_ids_BT=batch["segment_ids"], return_aux=True, remat=remat)
-    nll_BT = token_nll(logits_from_hidden(h_BTD, p, cfg), batch["targets"])
+                               segment_ids_BT=batch["segment_ids"], return_aux=True, remat=remat, kernels=kernels)
+    nll_BT = nll_from_hidden(h_BTD, batch["targets"], p, cfg, kernels.loss_chunk)
     b_BT = batch["mask"].astype(nll_BT.dtype)
     return jnp.sum(b_BT * nll_BT), (jnp.sum(b_BT), aux)
 
 
-def summed_nelbo_and_aux(params, batch, key, cfg: ModelConfig, compute_dtype, mask_id: int, remat: str = "none"):
+def summed_nelbo_and_aux(params, batch, key, cfg: ModelConfig, compute_dtype, mask_id: int, remat: str = "none",
+                         kernels=None):
     """The masked-diffusion counterpart (objectives/diffusion.py): (Σ_b NELBO_b, (Σ maskable tokens, aux)) of
     one (micro-)batch, with t and the masks drawn from ``key``. The window's tokens are x; ``batch["mask"]``
-    marks the maskable (real) ones; segment ids keep the bidirectional attention inside each document."""
+    marks the maskable (real) ones; segment ids keep the bidirectional attention inside each document. The
+    bound reads whole logits rows (``kernels.loss_chunk`` does not apply)."""
     p = cast_params(params, compute_dtype)
     x_BT, maskable_BT = batch["tokens"], batch["mask"]
     z_BT, masked_BT, t_B = diffusion.corrupt_batch(key, x_BT, mask_id, maskable_BT)
     h_BTD, aux = hidden_states(p, z_BT, cfg, positions_BT=batch["positions"], segment_ids_BT=batch["segment_ids"],
-                               return_aux=True, remat=remat)
+                               return_aux=True, remat=remat, kernels=resolved(kernels))
     nelbo_B = diffusion.nelbo_from_logits(logits_from_hidden(h_BTD, p, cfg), x_BT, masked_BT, t_B, mask_id)
     return jnp.sum(nelbo_B), (jnp.sum(maskable_BT.astype(nelbo_B.dtype)), aux)
 
 
-def objective_fn(cfg: ModelConfig, tcfg: TrainConfig, compute_dtype, mask_id):
-    """(params, micro-batch, key) → (summed loss, (count, aux)) for ``tcfg.objective``; the AR loss ignores key."""
+def objective_fn(cfg: ModelConfig, tcfg: TrainConfig, compute_dtype, mask_id, platform: str | None = None):
+    """(params, micro-batch, key) → (summed loss, (count, aux)) for ``tcfg.objective``; the AR loss ignores key.
+    The execution paths are ``tcfg``'s, resolved for ``platform`` (default: the default backend)."""
+    kernels = tcfg.kernels(platform, resolve=True)
     if tcfg.objective == "diffusion":
         diffusion.check_mask_id(mask_id, cfg.vocab_size)
-        return lambda p, mb, key: summed_nelbo_and_aux(p, mb, key, cfg, compute_dtype, mask_id, tcfg.remat)
-    return lambda p, mb, key: summed_loss_and_aux(p, mb, cfg, compute_dtype, tcfg.remat)
+        return lambda p, mb, key: summed_nelbo_and_aux(p, mb, key, cfg, compute_dtype, mask_id, tcfg.remat, kernels)
+    return lambda p, mb, key: summed_loss_and_aux(p, mb, cfg, compute_dtype, tcfg.remat, kernels)
 
 
 def summed_loss(params, batch, cfg: ModelConfig, compute_dtype) -> tuple[jax.Array, jax.Array]:
@@ -109,7 +114,7 @@ def summed_loss(params, batch, cfg: ModelConfig, compute_dtype) -> tuple[jax.Arr
 
 
 def make_train_step(cfg: ModelConfig, tcfg: TrainConfig, optimizer: optax.GradientTransformation,
-                    mask_id: int | None = None, lora_cfg=None) -> Callable:
+                    mask_id: int | None = None, lora_cfg=None, platform: str | None = None) -> Callable:
     """(state, batch) → (state, metrics); not jitted here (see ``jit_train_step``).
 
     After the optimizer step the MoE balancing offsets follow M20 §15's control rule, with the expert loads
@@ -120,9 +125,10 @@ def make_train_step(cfg: ModelConfig, tcfg: TrainConfig, optimizer: optax.Gradie
     With ``lora_cfg`` (post/lora.py) the state's params are the adapters and the step takes the frozen base as a
     third argument: the loss is a function of the adapters alone (W = W₀ + (α/r)·A·B), so the base is never
     differentiated and the optimizer sees only A and B. Otherwise the step is (state, batch).
+    ``platform`` ("cpu", "gpu", "tpu") resolves the "auto" execution paths (default: the default backend).
     """
     dtype = jnp.dtype(tcfg.compute_dtype)
-    objective = objective_fn(cfg, tcfg, dtype, mask_id)
+    objective = objective_fn(cfg, tcfg, dtype, mask_id, platform)
     if lora_cfg is not None:
         from mlx_llm.post import lora
 
@@ -196,20 +202,66 @@ def jit_train_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, mask_id: int | Non
     state_sh, batch_sh = state_shardings(cfg, tcfg, mesh, lora_cfg), batch_sharding(mesh)
     base_sh = (tree_shardings(jax.eval_shape(lambda: init_params(cfg, jax.random.key(0))), mesh),)
     shardings = (state_sh, batch_sh) + (base_sh if lora_cfg is not None else ())
-    return jax.jit(make_train_step(cfg, tcfg, optimizer_for(tcfg), mask_id, lora_cfg), in_shardings=shardings,
-                   out_shardings=(state_sh, replicated(mesh)), donate_argnums=0)
+    step = on_mesh(make_train_step(cfg, tcfg, optimizer_for(tcfg), mask_id, lora_cfg, mesh_platform(mesh)), mesh)
+    return jax.jit(step, in_shardings=shardings, out_shardings=(state_sh, replicated(mesh)), donate_argnums=0)
+
+
+def abstract_step_args(cfg: ModelConfig, tcfg: TrainConfig, mesh, lora_cfg=None) -> tuple:
+    """ShapeDtypeStructs (with their shardings) of the train step's arguments: state, batch (and the frozen base
+    for LoRA). Nothing is allocated."""
+    def placed(tree, shardings):
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
+
+    state = placed(abstract_state(cfg, tcfg, lora_cfg), state_shardings(cfg, tcfg, mesh, lora_cfg))
+    kinds = {"tokens": jnp.int32, "targets": jnp.int32, "mask": jnp.float32, "segment_ids": jnp.int32,
+             "positions": jnp.int32}
+    batch = {k: jax.ShapeDtypeStruct((tcfg.batch_size, tcfg.seq_len), d, sharding=batch_sharding(mesh))
+             for k, d in kinds.items()}
+    if lora_cfg is None:
+        return state, batch
+    base = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    return state, batch, placed(base, tree_shardings(base, mesh))
+
+
+@functools.lru_cache(maxsize=8)
+def compiled_train_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, mask_id: int | None = None, lora_cfg=None):
+    """``jit_train_step`` compiled ahead of time from ``abstract_step_args``: the pre-flight check
+    (train/preflight.py) reads its memory, and the training loop runs the same executable (one compile)."""
+    return jit_train_step(cfg, tcfg, mesh, mask_id, lora_cfg).lower(*abstract_step_args(cfg, tcfg, mesh, lora_cfg)).compile()
+
+
+def mesh_platform(mesh) -> str:
+    """"cpu", "gpu" or "tpu" of the mesh's devices (a TPU topology's devices for an AOT compile on the CPU)."""
+    from mlx_llm.kernels import backend_platform
+
+    return backend_platform(mesh.devices.flat[0].platform)
+
+
+def on_mesh(fn: Callable, mesh) -> Callable:
+    """``fn`` traced with ``mesh`` as the abstract mesh, so kernels that must run under ``jax.shard_map``
+    (kernels/attention.py, kernels/gmm.py) find it; shardings still propagate as before (axes stay Auto)."""
+
+    @functools.wraps(fn)
+    def traced(*args):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(*args)
+
+    return traced
 
 
 EVAL_SEED = 1234  # the diffusion bound's noise at evaluation: fixed, so every evaluation scores the same draws
 
 
 @functools.lru_cache(maxsize=8)
-def make_eval_step(cfg: ModelConfig, mesh, objective: str = "ar", mask_id: int | None = None) -> Callable:
+def make_eval_step(cfg: ModelConfig, mesh, objective: str = "ar", mask_id: int | None = None,
+                   kernels=None) -> Callable:
     """(params, batch, index) → (Σ loss, Σ count) in float32, jitted with the batch sharded like training
     batches: Σ b·NLL over targets (AR), or Σ NELBO over maskable tokens (diffusion; batch ``index`` picks the
-    fixed noise draw ``fold_in(key(EVAL_SEED), index)``)."""
-    tcfg = TrainConfig(objective=objective)
-    fn = objective_fn(cfg, tcfg, jnp.float32, mask_id)
+    fixed noise draw ``fold_in(key(EVAL_SEED), index)``). ``kernels``: the execution paths (default "auto")."""
+    paths = {} if kernels is None else {"attention_impl": kernels.attention_impl, "moe_impl": kernels.moe_impl,
+                                        "loss_chunk": kernels.loss_chunk, "interpret_kernels": kernels.interpret}
+    tcfg = TrainConfig(objective=objective, **paths)
+    fn = on_mesh(objective_fn(cfg, tcfg, jnp.float32, mask_id, mesh_platform(mesh)), mesh)
 
     def step(params, batch, index):
         loss_sum, (n, _) = fn(params, batch, jax.random.fold_in(jax.random.key(EVAL_SEED), index))

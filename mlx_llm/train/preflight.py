@@ -1,0 +1,234 @@
+"""The pre-flight compiler (``mlx-llm compile``): the exact jitted train step, compiled ahead of time from abstract
+shapes (no parameter is allocated), for the local devices or for a TPU topology, with its per-device memory.
+
+A TPU target is compiled on this machine through ``jax.experimental.topologies.get_topology_desc`` and the
+``libtpu`` wheel (the ``.[tpu]`` extra): the executable is the one a real slice would run, so
+``memory_analysis()`` is its exact per-device memory. FLOPs come from ``scaling.accounting`` (XLA's cost
+analysis does not count the FLOPs inside Pallas kernels). ``train`` runs the same check on the local devices
+before it creates the run directory (``check_fits``).
+
+Targets: ``local``, or ``tpu:<generation>-<N>`` with Google's names: N counts chips for v5e and v6e and
+TensorCores for v4 and v5p (two per chip; ``tpu:v5p-8`` is 4 chips).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+
+from mlx_llm.config import ModelConfig, TrainConfig
+from mlx_llm.errors import ConfigError
+from mlx_llm.scaling.accounting import train_flops_per_token
+
+GiB = 2**30
+# Per-device HBM that XLA's TPU compiler reports as available (its CompileTimeHbmOom message), and whether
+# the generation's N counts TensorCores (two per chip, one JAX device per chip) or chips.
+TPU_GENERATIONS = {"v4": (15.25 * GiB, "cores"), "v5e": (15.75 * GiB, "chips"), "v5p": (95.73 * GiB, "cores"),
+                   "v6e": (31.24 * GiB, "chips")}
+_GRID_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
+_GRID_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8", 256: "4x8x8",
+            512: "8x8x8"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    name: str  # "local" or "tpu:v5e-4"
+    devices: tuple
+    platform: str  # "cpu", "gpu", "tpu"
+    hbm_bytes_per_device: int
+
+
+def valid_targets() -> list[str]:
+    out = ["local"]
+    for gen, (_, unit) in TPU_GENERATIONS.items():
+        grid = _GRID_2D if gen in ("v5e", "v6e") else _GRID_3D
+        out += [f"tpu:{gen}-{chips * (2 if unit == 'cores' else 1)}" for chips in grid]
+    return out
+
+
+def tpu_target(name: str) -> Target:
+    """The devices of ``tpu:<gen>-<N>`` from libtpu's topology description (no TPU needed)."""
+    gen, _, count = name.removeprefix("tpu:").partition("-")
+    if gen not in TPU_GENERATIONS or not count.isdigit() or name not in valid_targets():
+        raise ConfigError(f"unknown target {name!r}: valid targets are {valid_targets()}")
+    hbm, unit = TPU_GENERATIONS[gen]
+    chips = int(count) // (2 if unit == "cores" else 1)
+    grid = (_GRID_2D if gen in ("v5e", "v6e") else _GRID_3D)[chips]
+    try:
+        import libtpu  # noqa: F401  (the wheel that compiles for TPUs)
+    except ImportError:
+        raise ConfigError(f"target {name!r} needs the libtpu wheel: pip install 'mlx_llm[tpu]'") from None
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compile-only use; another process may hold libtpu
+    from jax.experimental import topologies
+
+    bounds = (1, 1, 1) if chips == 1 else (2, 2, 1)
+    topo = topologies.get_topology_desc(platform="tpu", topology_name=f"{gen}:{grid}", chip_config_name="default",
+                                        chips_per_host_bounds=bounds, num_slices=1)
+    return Target(name, tuple(topo.devices), "tpu", int(hbm))
+
+
+def local_target() -> Target:
+    """This process's devices; memory per device from the backend (GPU), else the host's RAM per device."""
+    devices = tuple(jax.devices())
+    stats = devices[0].memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    if limit is None:
+        limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // len(devices)
+    from mlx_llm.kernels import backend_platform
+
+    return Target("local", devices, backend_platform(devices[0].platform), int(limit))
+
+
+def resolve_target(name: str) -> Target:
+    if name == "local":
+        return local_target()
+    if name.startswith("tpu:"):
+        return tpu_target(name)
+    raise ConfigError(f"unknown target {name!r}: valid targets are {valid_targets()}")
+
+
+def compile_step(cfg: ModelConfig, tcfg: TrainConfig, target: str | Target = "local", *, lora_cfg=None,
+                 mask_id: int | None = None) -> dict:
+    """Compile the run's jitted train step for ``target`` from abstract shapes and report it (one dict: the
+    keys of ``mlx-llm compile --json``). Nothing is allocated on any device."""
+    from mlx_llm.train.parallel import check_batch_divisible, make_mesh
+    from mlx_llm.train.step import compiled_train_step
+
+    target = resolve_target(target) if isinstance(target, str) else target
+    kernels = tcfg.kernels(target.platform, resolve=True)  # refuses a kernel the target cannot run
+    mesh = make_mesh(tcfg.mesh, target.devices)
+    check_batch_divisible(tcfg.batch_size, tcfg.grad_accum, mesh)
+    if tcfg.objective == "diffusion" and mask_id is None:
+        mask_id = cfg.vocab_size - 1  # any valid id: the shapes are what is compiled
+    compiled = compile_or_explain(lambda: compiled_train_step(cfg, tcfg, mesh, mask_id, lora_cfg))
+    return report(cfg, tcfg, target, mesh, compiled, kernels)
+
+
+def compile_or_explain(compile_fn):
+    """``compile_fn()``; XLA's compile-time out-of-memory becomes a report that does not fit."""
+    try:
+        return compile_fn()
+    except Exception as exc:  # XlaRuntimeError: RESOURCE_EXHAUSTED … CompileTimeHbmOom
+        text = str(exc)
+        if "RESOURCE_EXHAUSTED" in text or "HbmOom" in text:
+            return _Refused(text.strip().splitlines()[0])
+        raise
+
+
+@dataclasses.dataclass
+class _Refused:
+    """A program XLA refused to compile because it needs more memory than a device has."""
+
+    message: str
+
+    def memory_analysis(self):
+        return None
+
+
+def report(cfg: ModelConfig, tcfg: TrainConfig, target: Target, mesh, compiled, kernels) -> dict:
+    mem = compiled.memory_analysis()
+    tokens = tcfg.batch_size * tcfg.seq_len
+    out = {"target": target.name, "platform": target.platform, "devices": len(target.devices),
+           "mesh": dict(mesh.shape), "hbm_bytes_per_device": target.hbm_bytes_per_device,
+           "tokens_per_step": tokens, "flops_per_step": train_flops_per_token(cfg, tcfg.seq_len, causal=True) * tokens,
+           "attention_impl": kernels.attention_impl, "moe_impl": kernels.moe_impl, "loss_chunk": kernels.loss_chunk,
+           "ssm_scan": resolved_ssm_scan(cfg, target.platform), "remat": tcfg.remat,
+           "compute_dtype": tcfg.compute_dtype, "batch_size": tcfg.batch_size, "seq_len": tcfg.seq_len}
+    if mem is None:
+        out.update(bytes_per_device=None, fits=False, refused=compiled.message)
+        return out
+    sizes = {"arguments": mem.argument_size_in_bytes, "outputs": mem.output_size_in_bytes,
+             "aliased": mem.alias_size_in_bytes, "temporary": mem.temp_size_in_bytes}
+    sizes["total"] = sizes["arguments"] + sizes["outputs"] - sizes["aliased"] + sizes["temporary"]
+    out.update(bytes_per_device=sizes, fits=sizes["total"] <= target.hbm_bytes_per_device)
+    if hasattr(compiled, "as_text"):
+        out["kernels_in_program"] = kernels_in_program(compiled.as_text())
+    return out
+
+
+def resolved_ssm_scan(cfg: ModelConfig, platform: str) -> str | None:
+    if "mamba" not in cfg.mixer_pattern:
+        return None
+    from mlx_llm.kernels.ssm_scan import resolve_ssm_scan
+
+    return resolve_ssm_scan(cfg.ssm_scan, platform)
+
+
+def kernels_in_program(hlo_text: str) -> list[str]:
+    """The custom kernels a compiled program calls (Mosaic TPU kernels by name, Triton GPU kernels)."""
+    found = set()
+    for marker, name in (("splash", "splash_attention"), ("gmm", "megablox_gmm"), ("tgmm", "megablox_tgmm"),
+                         ("__gpu$xla.gpu.triton", "triton")):
+        if marker in hlo_text and ("tpu_custom_call" in hlo_text or "triton" in marker):
+            found.add(name)
+    return sorted(found)
+
+
+def advice(out: dict) -> str:
+    """One line: by how much a step does not fit, and which settings would help."""
+    if out.get("refused"):
+        need = out["refused"]
+    else:
+        over = out["bytes_per_device"]["total"] - out["hbm_bytes_per_device"]
+        need = (f"needs {out['bytes_per_device']['total'] / GiB:.2f} GiB per device, {over / GiB:.2f} GiB more than "
+                f"the {out['hbm_bytes_per_device'] / GiB:.2f} GiB of {out['target']}")
+    knobs = []
+    if out["mesh"].get("fsdp", 1) < out["devices"]:
+        knobs.append("shard parameters and optimizer state with --mesh fsdp=N")
+    if out["remat"] != "full":
+        knobs.append("--remat full")
+    if out["attention_impl"] == "xla":
+        knobs.append("--attention-impl flash (no (B, T, T) scores)")
+    if not out["loss_chunk"]:
+        knobs.append("--loss-chunk auto (no (B, T, V) logits)")
+    knobs.append(f"a smaller --batch-size than {out['batch_size']} (with --grad-accum to keep the tokens per step)")
+    return f"the train step does not fit: {need}; try " + ", ".join(knobs)
+
+
+def check_fits(cfg: ModelConfig, tcfg: TrainConfig, *, lora_cfg=None, mask_id=None) -> dict:
+    """``compile_step`` on the local devices; a step that cannot fit is refused (``ConfigError``) before any
+    work, with the numbers and the knobs that help."""
+    out = compile_step(cfg, tcfg, "local", lora_cfg=lora_cfg, mask_id=mask_id)
+    if not out["fits"]:
+        raise ConfigError(advice(out))
+    return out
+
+
+def format_report(out: dict) -> str:
+    """The human-readable table of ``mlx-llm compile``."""
+    rows = [f"target {out['target']}: {out['devices']} device(s), mesh {out['mesh']}, "
+            f"{out['hbm_bytes_per_device'] / GiB:.2f} GiB per device"]
+    rows.append(f"kernels: attention {out['attention_impl']}, moe {out['moe_impl']}, loss_chunk "
+                f"{out['loss_chunk']}, ssm_scan {out['ssm_scan']}; remat {out['remat']}, {out['compute_dtype']}")
+    if out["bytes_per_device"] is None:
+        rows.append(f"XLA refused the program: {out['refused']}")
+    else:
+        for k in ("arguments", "outputs", "aliased", "temporary", "total"):
+            rows.append(f"  {k:>10}: {out['bytes_per_device'][k] / GiB:9.3f} GiB per device")
+        rows.append(f"fits: {'yes' if out['fits'] else 'no'} "
+                    f"({100 * out['bytes_per_device']['total'] / out['hbm_bytes_per_device']:.1f} % of HBM)")
+    rows.append(f"per step: {out['tokens_per_step']:,} tokens, {out['flops_per_step']:.3e} FLOPs "
+                f"({out['flops_per_step'] / max(out['devices'], 1):.3e} per device)")
+    if out.get("kernels_in_program"):
+        rows.append(f"custom kernels in the program: {', '.join(out['kernels_in_program'])}")
+    return "\n".join(rows)
+
+
+def largest_batch(cfg: ModelConfig, tcfg: TrainConfig, target: str | Target, *, limit: int = 1024) -> int:
+    """The largest batch size (a multiple of the batch shards, doubling then bisecting) whose step fits."""
+    target = resolve_target(target) if isinstance(target, str) else target
+    from mlx_llm.train.parallel import batch_devices, make_mesh
+
+    unit = batch_devices(make_mesh(tcfg.mesh, target.devices)) * tcfg.grad_accum
+    fits = lambda n: compile_step(cfg, dataclasses.replace(tcfg, batch_size=n * unit), target)["fits"]  # noqa: E731
+    lo, hi = 0, 1
+    while hi * unit <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo * unit
+
