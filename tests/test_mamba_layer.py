@@ -155,7 +155,7 @@ def test_branch_is_the_same_under_either_scan(packed):
     got = jit(lambda h, layer, seg: mamba.branch(h, layer, assoc_cfg, types.SimpleNamespace(segment_ids_BT=seg)))(
         h, layer0(), seg)
     assert max_err(got, branch(h, seg)) <= 1e-12
-    with pytest.raises(ValueError, match=r"scan = 'parallel' is invalid: valid scans are \['fused', 'associative'\]"):
+    with pytest.raises(ValueError, match=r"scan = 'parallel' is invalid: valid scans are \['fused', 'associative', 'chunked', 'auto'\]"):
         mamba.mix(h, layer0(), "parallel")
 
 

@@ -102,7 +102,7 @@ def test_state_bytes_do_not_grow_with_the_context():
     (dict(ssm_state=0), r"ssm_state = 0 is invalid: it must be a positive integer"),
     (dict(ssm_conv=0), r"ssm_conv = 0 is invalid: it must be a positive integer"),
     (dict(ssm_dt_rank=-1), r"ssm_dt_rank = -1 is invalid"),
-    (dict(ssm_scan="parallel"), r"ssm_scan = 'parallel' is invalid: valid scans are \['fused', 'associative'\]"),
+    (dict(ssm_scan="parallel"), r"ssm_scan = 'parallel' is invalid: valid scans are \['fused', 'associative', 'chunked', 'auto'\]"),
     (dict(n_layers=3, mixer_pattern=("mamba", "attn"), n_heads=2, n_kv_heads=1, d_head=4),
      r"n_layers = 3 is not a multiple of the stack's period 2"),
     (dict(mixer_pattern=("mamba", "attn")), r"n_heads is not set: layers of kind 'attn' need it"),

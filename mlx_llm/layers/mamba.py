@@ -20,10 +20,12 @@ Memory: the training path (``branch``) runs the recurrence as ``ModelConfig.ssm_
 default, ``fused_scan``): one ``lax.scan`` over positions that discretises, advances and reads out in its body, so
 Ā and B̄x are never materialised over T; its hand-written backward pass needs the states s_{p−1}, stored as one
 (T, B, N, I) tensor. "associative": ``jax.lax.associative_scan`` over the materialised (B, T, I, N) Ā, B̄x and
-states (O(log T) depth; several such tensors live in the backward pass). Neither is the paper's fused CUDA kernel,
-which recomputes the states in the backward pass. Decoding carries (conv window (B, W−1, I), SSM state
-(B, I, N)) per layer, constant in the prefix length. The SSM coefficients, scan and state run in at least float32
-whatever the compute dtype.
+states (O(log T) depth; several such tensors live in the backward pass). "chunked" (``kernels.ssm_scan``): a
+``lax.scan`` over chunks of 64 positions with an associative scan inside each, whose backward pass recomputes a
+chunk's states as the paper's fused CUDA kernel does: ~14 (B, 64, I, N) tensors plus the chunk-boundary states,
+flat in T. "auto" is "chunked" on GPU/TPU and "fused" on CPU (``resolve_ssm_scan``). Decoding carries (conv window
+(B, W−1, I), SSM state (B, I, N)) per layer, constant in the prefix length. The SSM coefficients, scan and state
+run in at least float32 whatever the compute dtype.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ import jax
 import jax.numpy as jnp
 
 from mlx_llm.config import SSM_SCANS as SCANS  # ModelConfig.ssm_scan's choices, checked by ``mix``
+from mlx_llm.kernels import backend_platform
+from mlx_llm.kernels.ssm_scan import chunked_scan, resolve_ssm_scan
 from mlx_llm.ops import dense, rms_norm
 
 DT_MIN, DT_MAX = 1e-3, 1e-1  # Δ at initialisation is log-uniform in [DT_MIN, DT_MAX] (Gu & Dao 2023, §3.6)
@@ -302,17 +306,20 @@ def out_projection(o_BTI, z_BTI, layer) -> jax.Array:
 
 def mix(x_BTI, layer, scan="fused", reset_BT=None, s0_BIN=None, real_BT=None):
     """The SSM part of the mixer over a sequence: o = Σ_n C s + D ⊙ X for the conv output X (B, T, I), from the
-    state ``s0_BIN`` (zeros if None). ``scan`` is "fused" (``fused_scan``) or "associative" (``discretise`` then
-    ``selective_scan``: O(log T) depth, (B, T, I, N) tensors). Where ``real_BT`` is False, Δ is set to 0: the
-    state passes through unchanged (Ā = 1, B̄x = 0), so the returned last state is that of the last real
-    position. Returns (o (B, T, I), last state (B, I, N))."""
+    state ``s0_BIN`` (zeros if None). ``scan`` is "fused" (``fused_scan``), "chunked" (``chunked_scan``), "auto"
+    (one of those two for the default backend) or "associative" (``discretise`` then ``selective_scan``:
+    O(log T) depth, (B, T, I, N) tensors). Where ``real_BT`` is False, Δ is set to 0: the state passes through
+    unchanged (Ā = 1, B̄x = 0), so the returned last state is that of the last real position.
+    Returns (o (B, T, I), last state (B, I, N))."""
     if scan not in SCANS:
         raise ValueError(f"scan = {scan!r} is invalid: valid scans are {list(SCANS)}")
+    scan = resolve_ssm_scan(scan, backend_platform())
     x_BTI, dt_BTI, b_BTN, c_BTN, a_IN = selective_inputs(x_BTI, layer)
     if real_BT is not None:
         dt_BTI = jnp.where(real_BT[:, :, None], dt_BTI, 0.0)
-    if scan == "fused":
-        y_BTI, s_last = fused_scan(dt_BTI, x_BTI, b_BTN, c_BTN, a_IN, reset_BT, s0_BIN)
+    if scan in ("fused", "chunked"):
+        scan_fn = fused_scan if scan == "fused" else chunked_scan
+        y_BTI, s_last = scan_fn(dt_BTI, x_BTI, b_BTN, c_BTN, a_IN, reset_BT, s0_BIN)
     else:
         s_BTIN = selective_scan(*discretise(dt_BTI, x_BTI, b_BTN, a_IN), reset_BT, s0_BIN)
         y_BTI, s_last = jnp.einsum("btin,btn->bti", s_BTIN, c_BTN), s_BTIN[:, -1]
