@@ -29,7 +29,7 @@ import numpy as np
 
 from mlx_llm.config import ModelConfig
 from mlx_llm.errors import InputError
-from mlx_llm.kernels import REFERENCE, Kernels
+from mlx_llm.kernels import REFERENCE, Kernels, attention_path
 from mlx_llm.layers import attention, ffn, mamba, moe
 from mlx_llm.objectives.loss import token_nll
 from mlx_llm.ops import causal_mask, dense, document_mask, rms_norm
@@ -202,7 +202,7 @@ def hidden_states(params: Params, tokens_BT, cfg: ModelConfig, *, positions_BT=N
     if positions_BT is None:
         positions_BT = jnp.broadcast_to(jnp.arange(t), (b, t))
     mask_BTS = None
-    if kernels.attention_impl == "xla" and "attn" in cfg.mixer_pattern:  # built once, shared by every layer
+    if attention_path(kernels, t) == "xla" and "attn" in cfg.mixer_pattern:  # built once, shared by every layer
         mask_BTS = (causal_mask if cfg.causal else document_mask)(segment_ids_BT, b, t)
     ctx = Context(positions_BT, mask_BTS, segment_ids_BT, kernels=kernels)
     h_BTD, aux = run_stack(embed(params, tokens_BT), params, cfg, ctx, remat)

@@ -64,8 +64,9 @@ class Kernels(JsonConfig):
     def resolve(self, platform: str | None = None) -> "Kernels":
         """Concrete choices for ``platform`` ("cpu", "gpu", "tpu"; default: the default backend's).
 
-        "auto": attention splash on TPU, pallas_gpu on GPU, xla on the CPU (faster than flash there at the
-        lengths CPU runs use: experiments/bench_attention.py); MoE megablox on TPU, ragged_dot on GPU, block on
+        "auto": attention splash on TPU, pallas_gpu on GPU; on the CPU it stays "auto" and is chosen per window
+        length by ``attention_path`` (xla up to ``CPU_FLASH_FROM`` positions, flash from there:
+        experiments/bench_attention.py); MoE megablox on TPU, ragged_dot on GPU, block on
         the CPU (XLA:CPU lowers ragged_dot to a masked dense product); the loss chunked on accelerators (sized
         per call by ``kernels.loss.choose_chunk``), whole on the CPU. A kernel asked for by name on a backend
         that cannot run it is refused (interpret mode is for tests, not a silent fallback).
@@ -75,7 +76,7 @@ class Kernels(JsonConfig):
             return dataclasses.replace(self, platform=None).resolve(platform)
         attn = self.attention_impl
         if attn == "auto":
-            attn = {"tpu": "splash", "gpu": "pallas_gpu"}.get(platform, "xla")
+            attn = {"tpu": "splash", "gpu": "pallas_gpu"}.get(platform, "auto")
         moe = self.moe_impl
         if moe == "auto":
             moe = {"tpu": "megablox", "gpu": "ragged_dot"}.get(platform, "block")
@@ -91,4 +92,14 @@ class Kernels(JsonConfig):
         return dataclasses.replace(self, attention_impl=attn, moe_impl=moe, loss_chunk=chunk, platform=platform)
 
 
-REFERENCE = Kernels(platform="any")  # the exact paths: xla attention, block MoE, whole-logits loss
+REFERENCE = Kernels(platform="any")
+# On XLA:CPU the reference attention is faster for short windows (one 128-block tile is the whole score matrix)
+# and flash from 512 positions on (0.84x of xla's time at T = 512, 0.27-0.38x at 2,048-8,192; bench_attention).
+CPU_FLASH_FROM = 512
+
+
+def attention_path(kernels: Kernels, length: int) -> str:
+    """The attention implementation a resolved ``kernels`` uses for a window of ``length`` positions."""
+    if kernels.attention_impl != "auto":
+        return kernels.attention_impl
+    return "flash" if length >= CPU_FLASH_FROM else "xla"  # the exact paths: xla attention, block MoE, whole-logits loss

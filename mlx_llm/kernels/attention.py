@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from mlx_llm.kernels import Kernels
+from mlx_llm.kernels import Kernels, attention_path
 from mlx_llm.ops import attention as masked_attention, causal_attention, causal_mask, document_mask
 
 PAD_SEGMENT = -1  # segment id of the positions a kernel's block padding adds
@@ -37,7 +37,7 @@ def attention(q_BTHK, k_BTGK, v_BTGK, segment_ids_BT=None, *, causal: bool = Tru
               mask_BTS=None):
     """O (B, T, H, K) of M20 §6 by ``kernels.attention_impl`` (resolved: no "auto"). ``mask_BTS`` is the
     reference path's boolean mask when the caller already built it (shared by every layer of one forward)."""
-    impl = kernels.attention_impl
+    impl = attention_path(kernels, q_BTHK.shape[1])
     if impl == "xla":
         if mask_BTS is None:
             b, t = q_BTHK.shape[:2]
