@@ -5,8 +5,9 @@ At d, X experts, top-k, expert width m: the MoE FFN of one layer does 6·N·k·3
 step on N tokens (2 forward + 4 backward per weight, k experts of 3 matrices), the same as a dense SwiGLU of
 width k·m. Both run as ``jax.grad`` of their branch (the MoE one includes the router, the sort and the
 dispatch; offsets are zero so routing is as uneven as the random init makes it). Timings alternate between
-the variants so that drift in machine load hits them alike. ``ragged_dot`` is jax.lax.ragged_dot on the same
-sorted rows, shown for reference: XLA:CPU lowers it to a masked product with every expert on every row.
+the variants so that drift in machine load hits them alike. ``ragged_dot`` is the same branch with
+``impl="ragged_dot"`` (kernels/gmm.py: jax.lax.ragged_dot on the sorted rows, no padding blocks), the GPU path;
+XLA:CPU lowers it to a masked product with every expert on every row, so on the CPU it trails "block".
 
     python experiments/bench_moe.py                 # d=512, X=8, k=2, T=512, batch 4
     python experiments/bench_moe.py --quick
@@ -15,6 +16,7 @@ sorted rows, shown for reference: XLA:CPU lowers it to a masked product with eve
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 import jax
@@ -22,22 +24,6 @@ import jax.numpy as jnp
 
 from mlx_llm import ModelConfig, init_params
 from mlx_llm.layers import ffn, moe
-from mlx_llm.ops import dense, rms_norm
-
-
-def ragged_branch(z_BTD, layer, cfg):
-    """The MoE branch with the grouped products done by jax.lax.ragged_dot (reference only)."""
-    b, t, d = z_BTD.shape
-    y_ND = rms_norm(z_BTD, layer["ffn_norm"], cfg.norm_eps).reshape(b * t, d)
-    ids, w = moe.route(dense(y_ND, layer["router"]), layer["router_offset"], cfg.moe_top_k, router=cfg.router)
-    flat = ids.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    sizes = jnp.zeros((cfg.n_experts,), jnp.int32).at[flat].add(1)
-    rows = y_ND[order // cfg.moe_top_k]
-    c = jax.nn.silu(jax.lax.ragged_dot(rows, layer["expert_gate"], sizes)) * jax.lax.ragged_dot(
-        rows, layer["expert_up"], sizes)
-    out = jax.lax.ragged_dot(c, layer["expert_down"], sizes) * w.reshape(-1)[order][:, None]
-    return z_BTD + jnp.zeros((b * t, d)).at[order // cfg.moe_top_k].add(out).reshape(b, t, d)
 
 
 def main() -> None:
@@ -62,12 +48,14 @@ def main() -> None:
     z = jax.random.normal(jax.random.key(1), (args.batch, args.seq_len, d))
 
     def grad_of(branch, cfg):
-        return jax.jit(jax.grad(lambda z, layer: jnp.sum(jnp.sin(branch(z, layer, cfg)[0])), argnums=(0, 1)))
+        """(the compiled gradient, its params): compiled ahead so that XLA's FLOP count can be printed too."""
+        params = layer(cfg)
+        grad = jax.jit(jax.grad(lambda z, layer: jnp.sum(jnp.sin(branch(z, layer, cfg)[0])), argnums=(0, 1)))
+        return grad.lower(z, params).compile(), params
 
-    variants = {"dense SwiGLU": (grad_of(ffn.branch, dense_cfg), layer(dense_cfg)),
-                "MoE (block-sorted)": (grad_of(moe.branch, moe_cfg), layer(moe_cfg))}
+    variants = {"dense SwiGLU": grad_of(ffn.branch, dense_cfg), "MoE (block-sorted)": grad_of(moe.branch, moe_cfg)}
     if not args.no_ragged:
-        variants["MoE (ragged_dot)"] = (grad_of(lambda z, l, c: (ragged_branch(z, l, c),), moe_cfg), layer(moe_cfg))
+        variants["MoE (ragged_dot)"] = grad_of(functools.partial(moe.branch, impl="ragged_dot"), moe_cfg)
     for fn, params in variants.values():
         jax.block_until_ready(fn(z, params))
     best = {name: float("inf") for name in variants}
@@ -81,8 +69,10 @@ def main() -> None:
     print(f"FFN forward+backward, d={d}, X={args.experts}, k={k}, m={m} (dense width {k * m}), "
           f"{n} tokens, {jax.device_count()} {jax.devices()[0].platform} device(s); best of {args.rounds}")
     for name, seconds in best.items():
+        compiled = variants[name][0].cost_analysis()["flops"]  # what XLA will execute, padding and masking included
         print(f"  {name:20s} {seconds * 1e3:8.1f} ms  {flops / seconds / 1e9:7.1f} GFLOP/s (active)  "
-              f"{best['dense SwiGLU'] / seconds:5.2f}x of dense")
+              f"{best['dense SwiGLU'] / seconds:5.2f}x of dense  {best['MoE (block-sorted)'] / seconds:5.2f}x of "
+              f"block  compiled/active FLOPs {compiled / flops:5.2f}")
 
 
 if __name__ == "__main__":

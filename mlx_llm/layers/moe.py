@@ -7,12 +7,18 @@ Keys (DESIGN §1; X routed experts, S shared, m = ``moe_d_ff``): ``ffn_norm (d)`
 F_MoE(y) = Σ_{e∈S(y)} w_e(y) F_e(y) + Σ_{e∈shared} F_e(y), every F_e a SwiGLU (M20 §7). No capacity limit
 and no token dropping (M20 §15 excludes them): each token reaches its k experts whatever the batch.
 
-Dispatch (``expert_ffn``) is sort-based and dropless, in the style of MegaBlocks (Gale et al. 2023): the N·k
-(token, expert) assignments are sorted by expert, each expert's run of rows is padded to a multiple of a block
-of ``block_size`` rows, and every block is multiplied by its own expert's matrices (a grouped matrix product over at
-most N·k/BLOCK + X blocks). Only the selected experts' FLOPs are spent, plus the padding (< BLOCK rows per
-expert). ``jax.lax.ragged_dot`` expresses the same grouped product, but XLA:CPU lowers it to a masked product
-with all X experts on every row (X/k times the FLOPs; measured in experiments/bench_moe.py), so it is not used.
+Dispatch is sort-based and dropless, in the style of MegaBlocks (Gale et al. 2023): the N·k (token, expert)
+assignments are sorted by expert and each expert's run of rows is multiplied by its own matrices (a grouped
+matrix product). ``branch`` takes the execution path as ``impl`` (DESIGN §6; "auto" is resolved by the caller,
+``kernels.Kernels.resolve``), every path equal to ``dense_reference`` to float tolerance:
+
+- "block" (``expert_ffn``, the reference and the CPU path): each expert's run is padded to a multiple of a block
+  of ``block_size`` rows and every block is multiplied by its expert's matrices (at most N·k/BLOCK + X blocks),
+  so the FLOPs are the active ones plus the padding (< BLOCK rows per expert). Plain gathers and einsums: fast
+  on XLA:CPU, which lowers ``jax.lax.ragged_dot`` to a masked product with all X experts on every row.
+- "ragged_dot" (the GPU path), "megablox" (the TPU path; ``kernels.gmm.grouped_expert_ffn``): the grouped
+  product as ``jax.lax.ragged_dot`` or the TPU Pallas megablox kernel, with no padding blocks; under a mesh each
+  token shard sorts its own assignments inside ``jax.shard_map``.
 """
 
 from __future__ import annotations
@@ -24,8 +30,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from mlx_llm.errors import ConfigError, InputError
+from mlx_llm.kernels import MOE_IMPLS as _ALL_MOE_IMPLS
+from mlx_llm.kernels.gmm import grouped_expert_ffn
 from mlx_llm.ops import dense, rms_norm, swiglu
 
+MOE_IMPLS = tuple(i for i in _ALL_MOE_IMPLS if i != "auto")  # what ``branch`` runs ("auto" is resolved before)
 BLOCK = 256  # the largest block: bigger blocks run faster on XLA:CPU, smaller ones pad less (bench_moe.py)
 
 
@@ -203,14 +212,27 @@ def shared_experts(y_ND, gate_SDF, up_SDF, down_SFD):
     return swiglu(y_ND, side_by_side(gate_SDF), side_by_side(up_SDF), down_SFD.reshape(s * f, d))
 
 
-def branch(z_BTD, layer, cfg):
+def routed_experts(y_ND, ids_NK, weights_NK, layer, impl: str = "block", interpret: bool = False):
+    """Σ_{e∈S(y)} w_e F_e(y) (M20 §15) by the execution path ``impl`` (one of ``MOE_IMPLS``); ``interpret`` runs
+    the megablox kernel in Pallas interpret mode (tests)."""
+    experts = (layer["expert_gate"], layer["expert_up"], layer["expert_down"])
+    if impl == "block":
+        return expert_ffn(y_ND, ids_NK, weights_NK, *experts)
+    return grouped_expert_ffn(y_ND, ids_NK, weights_NK, *experts, impl=impl, interpret=interpret)
+
+
+def branch(z_BTD, layer, cfg, impl: str = "block", interpret: bool = False):
     """H = Z + F_MoE(N_γf(Z)) (M20 §15 substituted into §7). Returns (H, {"router_offset": load (X,)}): the
-    load sits under the offsets' key so the train step can apply the control rule leaf by leaf."""
+    load sits under the offsets' key so the train step can apply the control rule leaf by leaf. ``impl`` picks
+    the routed experts' execution path (``MOE_IMPLS``); routing, loads and shared experts do not depend on it."""
+    if impl not in MOE_IMPLS:
+        raise ConfigError(f"moe.branch: impl = {impl!r} is invalid: valid impls are {list(MOE_IMPLS)} "
+                          f"(resolve 'auto' with Kernels.resolve first)")
     b, t, d = z_BTD.shape
     y_ND = rms_norm(z_BTD, layer["ffn_norm"], cfg.norm_eps).reshape(b * t, d)
     logits_NX = dense(y_ND, layer["router"], preferred_element_type=jnp.promote_types(y_ND.dtype, jnp.float32))
     ids_NK, w_NK = route(logits_NX, layer["router_offset"], cfg.moe_top_k, router=cfg.router, eps=cfg.router_eps)
-    out_ND = expert_ffn(y_ND, ids_NK, w_NK, layer["expert_gate"], layer["expert_up"], layer["expert_down"])
+    out_ND = routed_experts(y_ND, ids_NK, w_NK, layer, impl, interpret)
     if cfg.n_shared_experts:  # always run, summed without normalisation (M20 §15)
         out_ND = out_ND + shared_experts(y_ND, layer["shared_gate"], layer["shared_up"], layer["shared_down"])
     return z_BTD + out_ND.reshape(b, t, d), {"router_offset": expert_load(ids_NK, cfg.n_experts)}

@@ -1,0 +1,79 @@
+"""Per-device memory of real training steps on TPU topologies, from the pre-flight compiler (no TPU needed).
+
+Each row is ``mlx_llm.train.preflight.compile_step`` — the exact jitted train step AOT-compiled for the target
+through libtpu (``pip install -e '.[tpu]'``) — for a model, a context length, an attention implementation and a
+remat policy. Models: GPT-2-124M-like (T = 1024), Llama-3.2-1B-like (T = 4096, 8192, 16384) and Llama-3-8B-like
+(T = 8192, fsdp). Prints a table and writes experiments/results/aot_memory.json.
+
+    python experiments/aot_memory.py                 # every row (long: minutes per 8B compile on 2 cores)
+    python experiments/aot_memory.py --only 1b       # one model
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from mlx_llm.config import ModelConfig, TrainConfig  # noqa: E402
+from mlx_llm.train.preflight import GiB, compile_step  # noqa: E402
+
+MODELS = {
+    "124m": ModelConfig(vocab_size=50304, d_model=768, n_layers=12, n_heads=12, n_kv_heads=12, d_head=64,
+                        d_ff=2048, max_seq_len=1024, tie_embeddings=True),
+    "1b": ModelConfig(vocab_size=128256, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8, d_head=64, d_ff=8192,
+                      max_seq_len=32768, rope_base=500000.0, tie_embeddings=True),
+    "8b": ModelConfig(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, d_head=128,
+                      d_ff=14336, max_seq_len=32768, rope_base=500000.0),
+}
+# (model, target, mesh, [(seq_len, batch)])
+ROWS = [
+    ("124m", "tpu:v5e-4", "fsdp=4", [(1024, 32)]),
+    ("1b", "tpu:v5e-4", "fsdp=4", [(4096, 16), (8192, 8), (16384, 4)]),
+    ("8b", "tpu:v5p-16", "fsdp=8", [(8192, 8)]),
+]
+
+
+def measure(model: str, target: str, mesh: str, seq_len: int, batch: int, attention: str, remat: str) -> dict:
+    loss_chunk = "auto" if attention != "xla" else 0  # the reference row is today's path: whole logits
+    tcfg = TrainConfig(batch_size=batch, seq_len=seq_len, mesh=mesh, remat=remat, compute_dtype="bfloat16",
+                       attention_impl=attention, moe_impl="block", loss_chunk=loss_chunk, warmup_steps=1, steps=10)
+    t0 = time.perf_counter()
+    out = compile_step(MODELS[model], tcfg, target)
+    out.update(model=model, compile_seconds=round(time.perf_counter() - t0, 1))
+    return out
+
+
+def row_text(r: dict) -> str:
+    mem = r["bytes_per_device"]
+    sizes = ("refused: " + r.get("refused", "")[:60]) if mem is None else (
+        f"args {mem['arguments'] / GiB:6.2f}  temp {mem['temporary'] / GiB:6.2f}  total {mem['total'] / GiB:6.2f} GiB")
+    return (f"{r['model']:>5} {r['target']:>11} T={r['seq_len']:>6} B={r['batch_size']:>3} {r['attention_impl']:>6} "
+            f"loss_chunk={str(r['loss_chunk']):>4} remat={r['remat']:<4} {sizes}  fits={r['fits']}  "
+            f"({r['compile_seconds']} s)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", choices=sorted(MODELS))
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "aot_memory.json")
+    args = ap.parse_args()
+    rows = []
+    for model, target, mesh, shapes in ROWS:
+        if args.only and model != args.only:
+            continue
+        for seq_len, batch in shapes:
+            for attention in ("xla", "splash"):
+                for remat in ("none", "full"):
+                    rows.append(measure(model, target, mesh, seq_len, batch, attention, remat))
+                    print(row_text(rows[-1]), flush=True)
+                    args.out.parent.mkdir(parents=True, exist_ok=True)
+                    args.out.write_text(json.dumps(rows, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
