@@ -141,8 +141,16 @@ def grouped_expert_ffn(y_ND, ids_NK, weights_NK, w_gate_XDF, w_up_XDF, w_down_XF
     mesh (``jax.set_mesh``) both run per token shard inside ``jax.shard_map`` (``_per_shard``)."""
     if impl not in GMM_IMPLS:
         raise ConfigError(f"grouped_expert_ffn: impl = {impl!r} is invalid: valid impls are {list(GMM_IMPLS)}")
-    fn = lambda *a: _sorted_swiglu(*a, impl=impl, interpret=interpret)
+    fn = on_token_shards(lambda *a: _sorted_swiglu(*a, impl=impl, interpret=interpret), y_ND.shape[0])
+    return fn(y_ND, ids_NK, weights_NK, w_gate_XDF, w_up_XDF, w_down_XFD)
+
+
+def on_token_shards(fn, n: int):
+    """``fn`` (tokens, ids, weights, 3 expert tensors) run per token shard (``_per_shard``) under an abstract mesh
+    of several devices (``jax.sharding.use_abstract_mesh``, set by the train step), else ``fn`` itself. Every
+    dispatch sorts its rows, and a sort of the global batch makes the partitioner gather every token to every
+    device (measured: the block path's compiled FLOPs were 6.04x active on 4 devices, 1.51x on one)."""
     mesh = jax.sharding.get_abstract_mesh()
     if not mesh.empty and mesh.size > 1 and len(mesh.manual_axes) < len(mesh.axis_names):
-        fn = _per_shard(fn, mesh, y_ND.shape[0])
-    return fn(y_ND, ids_NK, weights_NK, w_gate_XDF, w_up_XDF, w_down_XFD)
+        return _per_shard(fn, mesh, n)
+    return fn

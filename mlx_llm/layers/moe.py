@@ -31,7 +31,7 @@ import numpy as np
 
 from mlx_llm.errors import ConfigError, InputError
 from mlx_llm.kernels import MOE_IMPLS as _ALL_MOE_IMPLS
-from mlx_llm.kernels.gmm import grouped_expert_ffn
+from mlx_llm.kernels.gmm import grouped_expert_ffn, on_token_shards
 from mlx_llm.ops import dense, rms_norm, swiglu
 
 MOE_IMPLS = tuple(i for i in _ALL_MOE_IMPLS if i != "auto")  # what ``branch`` runs ("auto" is resolved before)
@@ -216,8 +216,8 @@ def routed_experts(y_ND, ids_NK, weights_NK, layer, impl: str = "block", interpr
     """Σ_{e∈S(y)} w_e F_e(y) (M20 §15) by the execution path ``impl`` (one of ``MOE_IMPLS``); ``interpret`` runs
     the megablox kernel in Pallas interpret mode (tests)."""
     experts = (layer["expert_gate"], layer["expert_up"], layer["expert_down"])
-    if impl == "block":
-        return expert_ffn(y_ND, ids_NK, weights_NK, *experts)
+    if impl == "block":  # per token shard under a mesh, like the grouped paths (kernels/gmm.on_token_shards)
+        return on_token_shards(expert_ffn, y_ND.shape[0])(y_ND, ids_NK, weights_NK, *experts)
     return grouped_expert_ffn(y_ND, ids_NK, weights_NK, *experts, impl=impl, interpret=interpret)
 
 
