@@ -263,6 +263,11 @@ def _check_specials(special_tokens: Sequence[str]) -> None:
             raise ConfigError(f"special_tokens = {tokens!r} is invalid: it must include {required!r}")
 
 
+# The largest BPE vocabulary ``train_bpe`` accepts: 4× the largest published LLM vocabulary (Gemma 3's 262,144).
+# The tokenizers library aborts the process (SIGABRT) on absurd sizes such as 10⁹ instead of raising.
+MAX_BPE_VOCAB = 1 << 20
+
+
 def min_bpe_vocab_size(special_tokens: Sequence[str] = SPECIAL_TOKENS) -> int:
     """The smallest vocabulary ``train_bpe`` accepts: 256 bytes + the specials + one merge."""
     return 256 + len(special_tokens) + 1
@@ -285,10 +290,11 @@ def train_bpe(
 
     _check_specials(special_tokens)
     lowest = min_bpe_vocab_size(special_tokens)
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < lowest:
+    if (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not
+            lowest <= vocab_size <= MAX_BPE_VOCAB):
         raise ConfigError(
-            f"BPE vocab_size = {vocab_size!r} is invalid: it must be an integer ≥ {lowest} "
-            f"(256 byte tokens + {len(special_tokens)} special tokens + at least one merge)"
+            f"BPE vocab_size = {vocab_size!r} is invalid: it must be an integer in [{lowest}, {MAX_BPE_VOCAB:,}] "
+            f"(256 byte tokens + {len(special_tokens)} special tokens + at least one merge, up to 2^20)"
         )
     if isinstance(min_frequency, bool) or not isinstance(min_frequency, int) or min_frequency < 1:
         raise ConfigError(f"min_frequency = {min_frequency!r} is invalid: it must be a positive integer")
