@@ -33,7 +33,6 @@ TRAIN_FLAGS = {"steps": int, "batch_size": int, "seq_len": int, "lr": float, "wa
                "keep_checkpoints": int, "seed": int, "compute_dtype": str, "weight_decay": float,
                "clip_norm": float, "log_interval": int, "objective": str, "mesh": str, "remat": str,
                "attention_impl": str, "moe_impl": str, "loss_chunk": str}
-KERNEL_FLAGS = ("attention_impl", "moe_impl", "loss_chunk")  # execution paths (kernels.Kernels)
 
 
 def loss_chunk(text: str):
@@ -190,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     ge.add_argument("--seed", type=int, default=0)
     ge.add_argument("--step", type=int, help="checkpoint step (default: latest)")
     ge.add_argument("--json", action="store_true", help="print the result and how to reproduce it as JSON")
+    add_kernel_flags(ge, default="auto")
     return ap
 
 
@@ -222,8 +222,9 @@ def add_post_parser(pp, kind: str) -> None:
     pp.add_argument("--lora-targets", default="wq,wv", help="comma-separated weight keys (default %(default)s)")
     pp.add_argument("--no-progress", action="store_true")
     for flag, typ in TRAIN_FLAGS.items():
-        if flag not in ("objective", "compute_dtype", "grad_accum", "mesh", "remat", *KERNEL_FLAGS):
-            pp.add_argument("--" + flag.replace("_", "-"), type=typ, dest=flag)
+        if flag not in ("objective", "compute_dtype", "grad_accum", "mesh", "remat"):
+            pp.add_argument("--" + flag.replace("_", "-"), **{"type": typ, "dest": flag,
+                                                               **KERNEL_FLAG_KWARGS.get(flag, {})})
 
 
 def train_configs(args) -> tuple[ModelConfig, TrainConfig]:
@@ -291,14 +292,19 @@ def _is_diffusion(run_dir) -> bool:
 def cmd_eval(args) -> int:
     from mlx_llm.train.run import evaluate_run
 
-    from mlx_llm.kernels import Kernels
-
-    kernels = Kernels(attention_impl=args.attention_impl, moe_impl=args.moe_impl, loss_chunk=args.loss_chunk)
-    step, res = evaluate_run(args.run, cache_dir=args.cache_dir, step=args.step, kernels=kernels)
+    step, res = evaluate_run(args.run, cache_dir=args.cache_dir, step=args.step, kernels=_kernels(args))
     bound = " (diffusion NELBO: upper bounds)" if _is_diffusion(args.run) else ""
     print(f"{args.run} step {step}: val loss {res.loss:.4f} nats/token, perplexity {res.perplexity:.3f}, "
           f"bits/byte {res.bits_per_byte:.4f}{bound} ({res.n_targets:,} tokens, {res.n_bytes:,} bytes)")
     return 0
+
+
+def _kernels(args):
+    """The execution paths of ``--attention-impl`` / ``--moe-impl`` / ``--loss-chunk``, resolved for this backend
+    (a kernel it cannot run is refused here, before any work)."""
+    from mlx_llm.kernels import Kernels
+
+    return Kernels(attention_impl=args.attention_impl, moe_impl=args.moe_impl, loss_chunk=args.loss_chunk).resolve()
 
 
 def cmd_compile(args) -> int:
@@ -320,7 +326,8 @@ def cmd_generate(args) -> int:
     record = generate_from_run(args.run, args.prompt, max_new_tokens=args.max_new_tokens,
                                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                beam_width=args.beam, seed=args.seed, step=args.step,
-                               diffusion_steps=args.diffusion_steps, sampler=args.sampler)
+                               diffusion_steps=args.diffusion_steps, sampler=args.sampler,
+                               kernels=_kernels(args))
     print(json.dumps(record, indent=2) if args.json else args.prompt + record["continuation"])
     return 0
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from mlx_llm.config import ModelConfig
 from mlx_llm.errors import ConfigError, InputError
-from mlx_llm.model import Params, check_tokens, forward
+from mlx_llm.model import Params, check_tokens, forward, resolved
 from mlx_llm.objectives.diffusion import check_mask_id, denoiser_log_probs
 
 SAMPLERS = ("ancestral", "remask")
@@ -61,14 +61,14 @@ def reveal_schedule(length: int, steps: int, block_length: int | None) -> tuple[
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "length", "steps", "sampler", "block_length", "temperature",
-                                             "mask_id"))
-def _sample(params, prompt_BP, key, *, cfg, length, steps, sampler, block_length, temperature, mask_id):
+                                             "mask_id", "kernels"))
+def _sample(params, prompt_BP, key, *, cfg, length, steps, sampler, block_length, temperature, mask_id, kernels):
     b, p = prompt_BP.shape
     seq_BT = jnp.concatenate([prompt_BP.astype(jnp.int32), jnp.full((b, length), mask_id, jnp.int32)], axis=1)
     pos_T = jnp.arange(p + length)
 
     def logp(seq_BT):
-        return denoiser_log_probs(forward(params, seq_BT, cfg), mask_id)
+        return denoiser_log_probs(forward(params, seq_BT, cfg, kernels=kernels), mask_id)
 
     if sampler == "ancestral":
         def body(seq_BT, xs):
@@ -103,10 +103,11 @@ def _sample(params, prompt_BP, key, *, cfg, length, steps, sampler, block_length
 
 def sample(params: Params, cfg: ModelConfig, prompt_BP, length: int, *, steps: int, mask_id: int,
            sampler: str = "ancestral", temperature: float | None = 1.0, block_length: int | None = None,
-           seed: int = 0) -> jax.Array:
+           seed: int = 0, kernels=None) -> jax.Array:
     """Generate ``length`` tokens after each prompt (B, P) with S = ``steps`` denoising steps; returns the
     (B, P + length) ids (the prompt unchanged, no MASK left). See the module docstring for the samplers.
-    Invalid settings raise ``ConfigError`` / ``InputError`` naming the value, before any work."""
+    Invalid settings raise ``ConfigError`` / ``InputError`` naming the value, before any work. ``kernels``: the
+    execution paths of the denoiser's forward (default the reference ones)."""
     if cfg.causal:
         raise ConfigError("this model is causal (causal = true): it is not a diffusion denoiser; decode it with "
                           "mlx_llm.generate")
@@ -134,4 +135,5 @@ def sample(params: Params, cfg: ModelConfig, prompt_BP, length: int, *, steps: i
         reveal_schedule(int(length), int(steps), block_length)
     return _sample(params, jnp.asarray(prompt, jnp.int32), jax.random.key(seed), cfg=cfg, length=int(length),
                    steps=int(steps), sampler=sampler, block_length=block_length,
-                   temperature=None if temperature is None else float(temperature), mask_id=mask_id)
+                   temperature=None if temperature is None else float(temperature), mask_id=mask_id,
+                   kernels=resolved(kernels))

@@ -25,7 +25,8 @@ import numpy as np
 from mlx_llm.decode.state import DecodeState, forward_cached, init_cache, reorder_rows, require_causal, unstack_layers
 from mlx_llm.config import ModelConfig
 from mlx_llm.errors import InputError
-from mlx_llm.model import Params, check_tokens
+from mlx_llm.kernels import attention_path
+from mlx_llm.model import Params, check_tokens, resolved
 from mlx_llm.decode.sampling import DecodeSettings, beam_rank, beam_step, choose
 
 
@@ -57,9 +58,12 @@ def _last_valid(logits_BTV, lengths_B):
     return jnp.take_along_axis(logits_BTV, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
 
 
-def _prefill(params, prompt_BT, lengths_B, cfg, max_new_tokens):
+def _prefill(params, prompt_BT, lengths_B, cfg, max_new_tokens, kernels):
+    """The prompts into an empty cache. Their attention is self-attention over the prompt, so a kernel path other
+    than the reference runs it as such (``fresh``); the reference reads the cache (the decode steps always do)."""
     cache = init_cache(cfg, prompt_BT.shape[0], prompt_BT.shape[1] + max_new_tokens, params["embed"].dtype)
-    logits_BTV, cache = forward_cached(params, prompt_BT, cache, cfg, n_new_B=lengths_B)
+    fresh = attention_path(kernels, prompt_BT.shape[1]) != "xla"
+    logits_BTV, cache = forward_cached(params, prompt_BT, cache, cfg, n_new_B=lengths_B, kernels=kernels, fresh=fresh)
     return _last_valid(logits_BTV, lengths_B), cache
 
 
@@ -76,8 +80,9 @@ def _select(key, logits_BV, rows: _Rows, settings, eos_id, pad_id):
     return tok_B, rows
 
 
-def _sample(params, prompt_BT, lengths_B, key, *, cfg, settings, max_new_tokens, eos_id, pad_id, unroll_layers):
-    logits_BV, cache = _prefill(params, prompt_BT, lengths_B, cfg, max_new_tokens)
+def _sample(params, prompt_BT, lengths_B, key, *, cfg, settings, max_new_tokens, eos_id, pad_id, unroll_layers,
+            kernels):
+    logits_BV, cache = _prefill(params, prompt_BT, lengths_B, cfg, max_new_tokens, kernels)
     layers = unstack_layers(params, cfg) if unroll_layers else None
     acc = jnp.promote_types(logits_BV.dtype, jnp.float32)
     b = prompt_BT.shape[0]
@@ -88,7 +93,7 @@ def _sample(params, prompt_BT, lengths_B, key, *, cfg, settings, max_new_tokens,
     def step(carry, t):
         cache, tok_B, rows = carry
         logits_B1V, cache = forward_cached(params, tok_B[:, None], cache, cfg, n_new_B=(~rows.done).astype(jnp.int32),
-                                           layers=layers)
+                                           layers=layers, kernels=kernels)
         tok_B, rows = _select(jax.random.fold_in(key, t), logits_B1V[:, 0], rows, settings, eos_id, pad_id)
         return (cache, tok_B, rows), tok_B
 
@@ -125,9 +130,9 @@ def _beam_select(t, logits_BWV, beams: _Beams, settings, eos_id, pad_id):
     return parent, tok, _Beams(score=score, length=length, finished=done, tokens=tokens)
 
 
-def _beam(params, prompt_BT, lengths_B, *, cfg, settings, max_new_tokens, eos_id, pad_id, unroll_layers):
+def _beam(params, prompt_BT, lengths_B, *, cfg, settings, max_new_tokens, eos_id, pad_id, unroll_layers, kernels):
     w = settings.beam_width
-    logits_BV, cache = _prefill(params, prompt_BT, lengths_B, cfg, max_new_tokens)
+    logits_BV, cache = _prefill(params, prompt_BT, lengths_B, cfg, max_new_tokens, kernels)
     layers = unstack_layers(params, cfg) if unroll_layers else None
     b, v = logits_BV.shape
     cache = reorder_rows(cache, jnp.repeat(jnp.arange(b), w))  # every prompt's state, W times
@@ -144,7 +149,8 @@ def _beam(params, prompt_BT, lengths_B, *, cfg, settings, max_new_tokens, eos_id
         cache = _reorder(cache, parent)
         # a beam's cache advances only while it is alive (a just-emitted EOS is not fed back)
         n_new = (~beams.finished).reshape(-1).astype(jnp.int32)
-        logits_R1V, cache = forward_cached(params, tok.reshape(-1, 1), cache, cfg, n_new_B=n_new, layers=layers)
+        logits_R1V, cache = forward_cached(params, tok.reshape(-1, 1), cache, cfg, n_new_B=n_new, layers=layers,
+                                           kernels=kernels)
         parent, tok, beams = _beam_select(t, logits_R1V.reshape(b, w, v), beams, settings, eos_id, pad_id)
         return (cache, parent, tok, beams), None
 
@@ -155,7 +161,7 @@ def _beam(params, prompt_BT, lengths_B, *, cfg, settings, max_new_tokens, eos_id
                             lengths=pick(beams.length), logq=jnp.zeros((b,), acc), logp=pick(beams.score))
 
 
-_STATIC = ("cfg", "settings", "max_new_tokens", "eos_id", "pad_id", "unroll_layers")
+_STATIC = ("cfg", "settings", "max_new_tokens", "eos_id", "pad_id", "unroll_layers", "kernels")
 _sample_jit = jax.jit(_sample, static_argnames=_STATIC)
 _beam_jit = jax.jit(_beam, static_argnames=_STATIC)
 
@@ -197,7 +203,7 @@ def _check_request(cfg: ModelConfig, prompt_BT, max_new_tokens, prompt_lengths, 
 
 def generate(params: Params, cfg: ModelConfig, prompt_BT, max_new_tokens: int, *, temperature=None, top_k=None,
              top_p=None, beam_width=None, length_penalty=None, eos_id=None, pad_id: int = 0, seed: int = 0,
-             prompt_lengths=None, unroll_layers: bool = True) -> GenerationResult:
+             prompt_lengths=None, unroll_layers: bool = True, kernels=None) -> GenerationResult:
     """Continue each prompt by up to ``max_new_tokens`` tokens (M20 §13: select, append, repeat; stop on EOS).
 
     temperature=None is greedy; with a temperature the next token is drawn from q (temperature → top-k →
@@ -208,13 +214,15 @@ def generate(params: Params, cfg: ModelConfig, prompt_BT, max_new_tokens: int, *
     ``unroll_layers`` (default True): decode steps run the blocks over per-layer weight arrays sliced once
     per call, instead of scanning the stacked weights (whose per-layer slices XLA copies every step; see
     ``forward_cached``). The prefill always scans. Results are identical; False compiles faster for deep models.
+    ``kernels``: the execution paths (default the reference ones): the prompt's attention and every MoE layer.
     """
     require_causal(cfg)
     settings = DecodeSettings(temperature=temperature, top_k=top_k, top_p=top_p, beam_width=beam_width,
                               length_penalty=length_penalty).check_vocab(cfg.vocab_size)
     prompt, lengths = _check_request(cfg, prompt_BT, max_new_tokens, prompt_lengths, eos_id, pad_id, seed)
     static = dict(cfg=cfg, settings=settings, max_new_tokens=int(max_new_tokens),
-                  eos_id=None if eos_id is None else int(eos_id), pad_id=int(pad_id), unroll_layers=bool(unroll_layers))
+                  eos_id=None if eos_id is None else int(eos_id), pad_id=int(pad_id), unroll_layers=bool(unroll_layers),
+                  kernels=resolved(kernels))
     if settings.mode == "beam":
         return _beam_jit(params, prompt, lengths, **static)
     return _sample_jit(params, prompt, lengths, jax.random.PRNGKey(seed), **static)

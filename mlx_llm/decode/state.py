@@ -22,7 +22,7 @@ import numpy as np
 from mlx_llm.config import ModelConfig
 from mlx_llm.errors import InputError
 from mlx_llm.layers import attention, mamba
-from mlx_llm.model import FFNS, Context, Params, check_tokens, embed, layer_list, logits_from_hidden
+from mlx_llm.model import FFNS, Context, Params, check_tokens, embed, layer_list, logits_from_hidden, resolved
 
 from mlx_llm.scaling.accounting import kv_cache_bytes  # noqa: F401  (re-exported: U19 §6's 2·L·t·h_kv·d_h·bytes)
 
@@ -116,7 +116,9 @@ def _cached_layer(carry, layer, kinds, i, cfg: ModelConfig, ctx: Context, n_new_
     else:
         h_BTD, conv_i, ssm_i = mamba.advance(h_BTD, layer, cfg, conv[i], ssm[i], n_new_B)
         conv, ssm = conv.at[i].set(conv_i), ssm.at[i].set(ssm_i)
-    if kinds[1] != "none":  # routing is per token, so an MoE FFN decodes exactly like a dense one
+    if kinds[1] == "moe":  # routing is per token, so an MoE FFN decodes exactly like a dense one
+        h_BTD, _ = FFNS["moe"].branch(h_BTD, layer, cfg, impl=ctx.kernels.moe_impl, interpret=ctx.kernels.interpret)
+    elif kinds[1] != "none":
         h_BTD, _ = FFNS[kinds[1]].branch(h_BTD, layer, cfg)
     return h_BTD, k, v, conv, ssm
 
@@ -136,7 +138,8 @@ def require_causal(cfg: ModelConfig) -> None:
                          "diffusion run)")
 
 
-def forward_cached(params: Params, tokens_BT, cache: KVCache, cfg: ModelConfig, *, n_new_B=None, layers=None):
+def forward_cached(params: Params, tokens_BT, cache: KVCache, cfg: ModelConfig, *, n_new_B=None, layers=None,
+                   kernels=None, fresh: bool = False):
     """Logits (B, T, V) of the new positions and the cache that includes them (M20 §14).
 
     Row b's new token t sits at absolute position ``lengths[b] + t`` (after three processed tokens the next
@@ -149,6 +152,9 @@ def forward_cached(params: Params, tokens_BT, cache: KVCache, cfg: ModelConfig, 
     one by one over separate arrays. XLA:CPU materialises every per-layer slice of a stacked weight before
     its matmul, so under the scan each decode step copies all the weights once more; at batch 1, where a
     step is bound by reading the weights, that copy roughly doubles the step time (experiments/bench_decode.py).
+
+    ``kernels``: the execution paths of the MoE layers and, with ``fresh`` (the cache is empty: a prefill), of the
+    attention, which is then self-attention over the new tokens (right padding is never read by a real token).
     """
     require_causal(cfg)
     check_tokens(tokens_BT, cfg)
@@ -162,7 +168,7 @@ def forward_cached(params: Params, tokens_BT, cache: KVCache, cfg: ModelConfig, 
     mask_BTS = (s_S <= positions_BT[:, :, None]) & (s_S < new_lengths_B[:, None, None])
     slots_BT = jnp.where(t_T[None, :] < n_new_B[:, None], positions_BT, cache.max_len)
 
-    ctx = Context(positions_BT, mask_BTS, slots_BT=slots_BT)
+    ctx = Context(positions_BT, None if fresh else mask_BTS, slots_BT=slots_BT, kernels=resolved(kernels))
     carry = (embed(params, tokens_BT), cache.k, cache.v, cache.conv, cache.ssm)
     index = kind_index(cfg)
     if layers is not None:

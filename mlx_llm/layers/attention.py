@@ -57,7 +57,9 @@ def branch(h_BTD, layer, cfg, ctx) -> jax.Array:
 
 def cached_branch(h_BTD, layer, cfg, ctx, k_LBSGK, v_LBSGK, l):
     """The same branch on new positions only (M20 §14): their K̃/𝖵 go into slots ``ctx.slots_BT`` of layer l
-    of the carried cache, and each new query reads the slots ``ctx.mask_BTS`` allows. Returns (Z, k, v)."""
+    of the carried cache, and each new query reads the slots ``ctx.mask_BTS`` allows. Returns (Z, k, v).
+    ``ctx.mask_BTS`` None marks a prefill into an empty cache: the new tokens read each other only, causally,
+    through the attention path ``ctx.kernels`` names."""
     x_BTD = rms_norm(h_BTD, layer["attn_norm"], cfg.norm_eps)
     q_BTHK, k_BTGK, v_BTGK = attention_qkv(x_BTD, layer, cfg, ctx.positions_BT)
     b_B1 = jnp.arange(h_BTD.shape[0])[:, None]
@@ -65,5 +67,8 @@ def cached_branch(h_BTD, layer, cfg, ctx, k_LBSGK, v_LBSGK, l):
     # Padding goes to slot S (out of range) and is dropped, so it can never overwrite a valid slot.
     k_LBSGK = k_LBSGK.at[l, b_B1, ctx.slots_BT].set(k_BTGK.astype(k_LBSGK.dtype), mode="drop")
     v_LBSGK = v_LBSGK.at[l, b_B1, ctx.slots_BT].set(v_BTGK.astype(v_LBSGK.dtype), mode="drop")
-    o_BTHK = attention(q_BTHK, k_LBSGK[l].astype(q_BTHK.dtype), v_LBSGK[l].astype(q_BTHK.dtype), ctx.mask_BTS)
+    if ctx.mask_BTS is None:
+        o_BTHK = kernels.attention(q_BTHK, k_BTGK, v_BTGK, None, causal=True, kernels=ctx.kernels)
+    else:
+        o_BTHK = attention(q_BTHK, k_LBSGK[l].astype(q_BTHK.dtype), v_LBSGK[l].astype(q_BTHK.dtype), ctx.mask_BTS)
     return h_BTD + attention_output(o_BTHK, layer), k_LBSGK, v_LBSGK

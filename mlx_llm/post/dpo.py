@@ -50,25 +50,26 @@ def pair_weight(m, beta):
 
 
 # ----- in a model ---------------------------------------------------------------------------------------------
-def pair_logprobs(params, cfg, batch):
+def pair_logprobs(params, cfg, batch, kernels=None):
     """(ℓ(y⁺|c), ℓ(y⁻|c)) of a pair batch, both sides in one forward pass."""
     both = pairs_lib.concat_sequences(batch["chosen"], batch["rejected"])
-    lp = pairs_lib.response_logprobs(params, cfg, both)
+    lp = pairs_lib.response_logprobs(params, cfg, both, kernels)
     n = batch["chosen"]["ids"].shape[0]
     return lp[:n], lp[n:]
 
 
 @functools.lru_cache(maxsize=16)  # one function per setting: its jitted update compiles once
-def make_loss(cfg, beta: float, lora_cfg, nll_weight: float = 0.0):
+def make_loss(cfg, beta: float, lora_cfg, nll_weight: float = 0.0, kernels=None):
     """(trainable, frozen, batch) → (mean DPO loss, {margin, accuracy, chosen/rejected implicit rewards}).
 
     ``nll_weight`` α > 0 adds α · (−ℓ_θ(y⁺|c) / |y⁺|), the chosen reply's mean token NLL (the RPO loss of Pang et
     al. 2024, "Iterative Reasoning Preference Optimization"): pure DPO (α = 0, the default) can lower ℓ_θ(y⁺)
-    when y⁺ and y⁻ differ in a token or two (Pal et al. 2024, "Smaug"), which is exactly what a wrong digit is."""
+    when y⁺ and y⁻ differ in a token or two (Pal et al. 2024, "Smaug"), which is exactly what a wrong digit is.
+    ``kernels``: the execution paths of both forwards."""
 
     def loss_fn(trainable, frozen, batch):
-        ref_c, ref_r = jax.lax.stop_gradient(pair_logprobs(frozen["reference"], cfg, batch))
-        lp_c, lp_r = pair_logprobs(loop.policy_params(trainable, frozen, lora_cfg), cfg, batch)
+        ref_c, ref_r = jax.lax.stop_gradient(pair_logprobs(frozen["reference"], cfg, batch, kernels))
+        lp_c, lp_r = pair_logprobs(loop.policy_params(trainable, frozen, lora_cfg), cfg, batch, kernels)
         m = margin(lp_c, lp_r, ref_c, ref_r, beta)
         n_chosen = jnp.sum(batch["chosen"]["target"][:, 1:], axis=-1)
         nll = jnp.mean(-lp_c / n_chosen) if nll_weight else 0.0
@@ -138,7 +139,7 @@ def dpo_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, beta: fl
         loop.start_run(run_dir, base, tcfg, record, resume)
         log(f"dpo from {base.run} (step {base.step}), β = {beta:g}, NLL weight {nll_weight:g}: {len(data_.train):,} train pairs, "
             f"{len(data_.val):,} held out; {'LoRA' if lora_cfg else 'full'}")
-        out = loop.post_loop(run_dir, base.cfg, tcfg, trainable, frozen, make_loss(base.cfg, beta, lora_cfg, nll_weight),
+        out = loop.post_loop(run_dir, base.cfg, tcfg, trainable, frozen, make_loss(base.cfg, beta, lora_cfg, nll_weight, tcfg.kernels(resolve=True)),
                              lambda s, _: (data_.train_batch(s, tcfg.batch_size, tcfg.seed), {}),
                              evaluate=make_eval(base.cfg, beta, lora_cfg, frozen, data_, tcfg.batch_size),
                              resume=resume, show_progress=show_progress, max_seconds=max_seconds, log=log)

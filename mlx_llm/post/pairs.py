@@ -25,8 +25,7 @@ import numpy as np
 
 from mlx_llm.config import ModelConfig
 from mlx_llm.errors import ConfigError, DataError, InputError
-from mlx_llm.model import forward
-from mlx_llm.objectives.loss import sequence_log_likelihood
+from mlx_llm.model import check_tokens, hidden_states, nll_from_hidden, resolved
 from mlx_llm.post import tasks as tasks_lib
 from mlx_llm.post.chat import ChatTemplate, check_messages, jsonl_records
 from mlx_llm.train.data import epoch_order, val_score
@@ -159,12 +158,16 @@ def concat_sequences(a: dict, b: dict) -> dict:
     return jax.tree.map(lambda x, y: jnp.concatenate([x, y]), a, b)
 
 
-def response_logprobs(params, cfg: ModelConfig, seqs) -> jax.Array:
+def response_logprobs(params, cfg: ModelConfig, seqs, kernels=None) -> jax.Array:
     """ℓ(y | c) = Σ_{t ∈ reply} log p(x_t | x_<t) per sequence, (B,): the **sum** over the reply's tokens (M20 §16:
-    a length-normalised mean would be a different objective); prompt and padding count nothing."""
-    ids = seqs["ids"]
-    logits = forward(params, ids[:, :-1], cfg)
-    return sequence_log_likelihood(logits, ids[:, 1:], seqs["target"][:, 1:])
+    a length-normalised mean would be a different objective); prompt and padding count nothing. ``kernels``: the
+    execution paths (default the reference ones), the loss chunked as ``kernels.loss_chunk`` says."""
+    kernels = resolved(kernels)
+    ids = jnp.asarray(seqs["ids"])
+    check_tokens(ids[:, :-1], cfg, "ids")
+    h_BTD = hidden_states(params, ids[:, :-1], cfg, kernels=kernels)
+    nll_BT = nll_from_hidden(h_BTD, ids[:, 1:], params, cfg, kernels.loss_chunk)
+    return -jnp.sum(jnp.asarray(seqs["target"][:, 1:]).astype(nll_BT.dtype) * nll_BT, axis=-1)
 
 
 @dataclasses.dataclass

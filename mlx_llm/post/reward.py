@@ -52,27 +52,27 @@ def bt_grads(r_chosen, r_rejected):
 
 
 # ----- in a model ---------------------------------------------------------------------------------------------
-def sequence_rewards(params, head_D, cfg: ModelConfig, seqs) -> jax.Array:
-    """r = w · R at each sequence's last id (``length`` − 1), shape (B,)."""
+def sequence_rewards(params, head_D, cfg: ModelConfig, seqs, kernels=None) -> jax.Array:
+    """r = w · R at each sequence's last id (``length`` − 1), shape (B,); ``kernels``: the execution paths."""
     ids = seqs["ids"]
-    r_BTD = rms_norm(hidden_states(params, ids, cfg), params["final_norm"], cfg.norm_eps)
+    r_BTD = rms_norm(hidden_states(params, ids, cfg, kernels=kernels), params["final_norm"], cfg.norm_eps)
     last_BD = jnp.take_along_axis(r_BTD, (seqs["length"] - 1)[:, None, None].astype(jnp.int32), axis=1)[:, 0]
     acc = jnp.promote_types(last_BD.dtype, jnp.float32)  # rewards leave in ≥ float32, like logits
     return jnp.einsum("bd,d->b", last_BD.astype(acc), head_D.astype(acc))
 
 
-def pair_rewards(params, head_D, cfg, batch):
+def pair_rewards(params, head_D, cfg, batch, kernels=None):
     both = pairs_lib.concat_sequences(batch["chosen"], batch["rejected"])
-    r = sequence_rewards(params, head_D, cfg, both)
+    r = sequence_rewards(params, head_D, cfg, both, kernels)
     n = batch["chosen"]["ids"].shape[0]
     return r[:n], r[n:]
 
 
 @functools.lru_cache(maxsize=16)  # one function per setting: its jitted update compiles once
-def make_loss(cfg: ModelConfig, lora_cfg):
+def make_loss(cfg: ModelConfig, lora_cfg, kernels=None):
     def loss_fn(trainable, frozen, batch):
         params = loop.policy_params(trainable["model"], frozen, lora_cfg)
-        r_c, r_r = pair_rewards(params, trainable["reward_head"], cfg, batch)
+        r_c, r_r = pair_rewards(params, trainable["reward_head"], cfg, batch, kernels)
         return jnp.mean(bt_loss(r_c, r_r)), {"accuracy": jnp.mean((r_c > r_r).astype(r_c.dtype)),
                                              "reward_gap": jnp.mean(r_c - r_r)}
 
@@ -126,7 +126,7 @@ def reward_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, data=
         loop.start_run(run_dir, base, tcfg, record, resume)
         log(f"reward model from {base.run} (step {base.step}): {len(data_.train):,} train pairs, {len(data_.val):,} "
             f"held out; {'LoRA' if lora_cfg else 'full'}")
-        out = loop.post_loop(run_dir, base.cfg, tcfg, trainable, frozen, make_loss(base.cfg, lora_cfg),
+        out = loop.post_loop(run_dir, base.cfg, tcfg, trainable, frozen, make_loss(base.cfg, lora_cfg, tcfg.kernels(resolve=True)),
                              lambda s, _: (data_.train_batch(s, tcfg.batch_size, tcfg.seed), {}),
                              evaluate=make_eval(base.cfg, lora_cfg, frozen, data_, tcfg.batch_size),
                              resume=resume, show_progress=show_progress, max_seconds=max_seconds, log=log)

@@ -104,14 +104,15 @@ def train_bandit(pi_ref, rewards, beta, *, k: int = 16, steps: int = 4000, lr: f
 
 # ----- in a language model ------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=16)  # one function per setting: its jitted update compiles once
-def make_loss(cfg, beta: float, k: int, lora_cfg):
+def make_loss(cfg, beta: float, k: int, lora_cfg, kernels=None):
     """(trainable, frozen, batch) → (loss, metrics): batch holds P·K sampled replies (grouped by prompt) as
-    sequences and their rewards."""
+    sequences and their rewards; ``kernels``: the execution paths of both forwards."""
 
     def loss_fn(trainable, frozen, batch):
         seqs = {"ids": batch["ids"], "target": batch["target"]}
-        logp = pairs_lib.response_logprobs(loop.policy_params(trainable, frozen, lora_cfg), cfg, seqs)
-        logp_ref = jax.lax.stop_gradient(pairs_lib.response_logprobs(frozen["reference"], cfg, seqs))
+        policy = loop.policy_params(trainable, frozen, lora_cfg)
+        logp = pairs_lib.response_logprobs(policy, cfg, seqs, kernels)
+        logp_ref = jax.lax.stop_gradient(pairs_lib.response_logprobs(frozen["reference"], cfg, seqs, kernels))
         return leashed_loss(logp.reshape(-1, k), logp_ref.reshape(-1, k), batch["reward"].reshape(-1, k), beta)
 
     return loss_fn
@@ -228,7 +229,7 @@ def rl_run(run_dir, base_run=None, *, task: str | None = None, tcfg: TrainConfig
             return {"heldout_accuracy": eval_task(params, base.cfg, base.tok, task, base.template, n=eval_examples)["accuracy"]}
 
         out = loop.post_loop(run_dir, base.cfg, tcfg, loop.initial_trainable(base, lora_cfg, tcfg.seed), frozen,
-                             make_loss(base.cfg, beta, k, lora_cfg), sampler, evaluate=evaluate, resume=resume,
+                             make_loss(base.cfg, beta, k, lora_cfg, tcfg.kernels(resolve=True)), sampler, evaluate=evaluate, resume=resume,
                              show_progress=show_progress, max_seconds=max_seconds, log=log)
         summary = {"steps": out["steps"], "wall_seconds": out["wall_seconds"], **out["eval"],
                    **{key: out["last"].get(key) for key in ("reward", "accuracy", "kl", "response_length")}}

@@ -42,7 +42,7 @@ LOCK_FILE = "run.lock"
 # TrainConfig fields a resumed run may change; every other field must equal the run's. ``steps`` may only grow
 # (``plan_resume``): the extended steps follow the rule of ``schedule_config``. ``mesh`` and ``remat`` change where
 # arrays live and what the backward pass recomputes, not the numbers (a checkpoint restores under any mesh).
-RESUME_MAY_CHANGE = frozenset({"steps", "mesh", "remat"})
+RESUME_MAY_CHANGE = frozenset({"steps", "mesh", "remat", "attention_impl", "moe_impl", "loss_chunk"})
 SCHEDULE_STEPS = "schedule_steps"  # run.json: the total the lr schedule is defined over, once a run is extended
 
 

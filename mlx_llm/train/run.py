@@ -370,10 +370,11 @@ def _until_eos(ids, eos_id: int):
 
 def generate_from_run(run_dir, prompt: str, *, max_new_tokens: int, temperature=None, top_k=None, top_p=None,
                       beam_width=None, seed: int = 0, step: int | None = None, diffusion_steps: int = 64,
-                      sampler: str = "ancestral") -> dict:
+                      sampler: str = "ancestral", kernels=None) -> dict:
     """Continue ``prompt`` with a run's checkpoint; the record holds everything needed to reproduce it (M20 §13).
     A diffusion run is sampled with ``decode.diffusion.sample`` (``sampler``, ``diffusion_steps`` steps,
-    ``max_new_tokens`` generated positions, cut at the first EOS); the AR settings top-k/top-p/beam do not apply."""
+    ``max_new_tokens`` generated positions, cut at the first EOS); the AR settings top-k/top-p/beam do not apply.
+    ``kernels``: the execution paths (default the reference ones)."""
     from mlx_llm.decode.generate import generate
 
     run_dir = Path(run_dir)
@@ -389,7 +390,7 @@ def generate_from_run(run_dir, prompt: str, *, max_new_tokens: int, temperature=
 
         params = load_params(run_dir, cfg, tcfg, ckpt_step)
         out = np.asarray(sample(params, cfg, ids[None], max_new_tokens, steps=diffusion_steps, mask_id=tok.mask_id,
-                                sampler=sampler, temperature=temperature, seed=seed))[0, ids.size:]
+                                sampler=sampler, temperature=temperature, seed=seed, kernels=kernels))[0, ids.size:]
         new = _until_eos(out, tok.eos_id)
         return {"run": str(run_dir), "checkpoint_step": ckpt_step, "prompt": prompt, "prompt_ids": ids.tolist(),
                 "settings": {"max_new_tokens": max_new_tokens, "temperature": temperature, "sampler": sampler,
@@ -397,7 +398,7 @@ def generate_from_run(run_dir, prompt: str, *, max_new_tokens: int, temperature=
                 "seed": seed, "continuation_ids": new.tolist(), "continuation": tok.decode(new, skip_special=True)}
     params = load_params(run_dir, cfg, tcfg, ckpt_step)
     out = generate(params, cfg, ids[None], max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                   beam_width=beam_width, eos_id=tok.eos_id, pad_id=tok.pad_id, seed=seed)
+                   beam_width=beam_width, eos_id=tok.eos_id, pad_id=tok.pad_id, seed=seed, kernels=kernels)
     new = np.asarray(out.tokens[0])[: int(out.lengths[0])]
     return {"run": str(run_dir), "checkpoint_step": ckpt_step, "prompt": prompt, "prompt_ids": ids.tolist(),
             "settings": {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k,
