@@ -7,6 +7,8 @@ remat policy. Models: GPT-2-124M-like (T = 1024), Llama-3.2-1B-like (T = 4096, 8
 
     python experiments/aot_memory.py                 # every row (long: minutes per 8B compile on 2 cores)
     python experiments/aot_memory.py --only 1b       # one model
+    python experiments/aot_memory.py --smallest      # the smallest v5e / v5p slice that holds the 8B model
+    python experiments/aot_memory.py --largest       # the largest batch that fits (124M and 1B, splash, remat full)
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from mlx_llm.config import ModelConfig, TrainConfig  # noqa: E402
-from mlx_llm.train.preflight import GiB, compile_step  # noqa: E402
+from mlx_llm.train.preflight import GiB, compile_step, largest_batch  # noqa: E402
 
 MODELS = {
     "124m": ModelConfig(vocab_size=50304, d_model=768, n_layers=12, n_heads=12, n_kv_heads=12, d_head=64,
@@ -38,10 +40,14 @@ ROWS = [
 ]
 
 
-def measure(model: str, target: str, mesh: str, seq_len: int, batch: int, attention: str, remat: str) -> dict:
+def train_config(seq_len: int, batch: int, mesh: str, attention: str, remat: str) -> TrainConfig:
     loss_chunk = "auto" if attention != "xla" else 0  # the reference row is today's path: whole logits
-    tcfg = TrainConfig(batch_size=batch, seq_len=seq_len, mesh=mesh, remat=remat, compute_dtype="bfloat16",
+    return TrainConfig(batch_size=batch, seq_len=seq_len, mesh=mesh, remat=remat, compute_dtype="bfloat16",
                        attention_impl=attention, moe_impl="block", loss_chunk=loss_chunk, warmup_steps=1, steps=10)
+
+
+def measure(model: str, target: str, mesh: str, seq_len: int, batch: int, attention: str, remat: str) -> dict:
+    tcfg = train_config(seq_len, batch, mesh, attention, remat)
     t0 = time.perf_counter()
     out = compile_step(MODELS[model], tcfg, target)
     out.update(model=model, compile_seconds=round(time.perf_counter() - t0, 1))
@@ -57,12 +63,50 @@ def row_text(r: dict) -> str:
             f"({r['compile_seconds']} s)")
 
 
+SLICES = {"v5e": (4, 8, 16, 32, 64, 128, 256), "v5p": (8, 16, 32, 64, 128, 256, 512)}
+
+
+def smallest_slices(out: Path) -> None:
+    """For the 8B model at T = 8,192 and 32,768 (one sequence per chip, splash, chunked loss, remat full, bf16,
+    fsdp over every chip): the first slice of each generation whose step fits."""
+    rows = []
+    for seq_len in (8192, 32768):
+        for gen, sizes in SLICES.items():
+            for n in sizes:
+                chips = n // (2 if gen == "v5p" else 1)
+                r = measure("8b", f"tpu:{gen}-{n}", "fsdp=-1", seq_len, chips, "splash", "full")
+                print(row_text(r), flush=True)
+                rows.append(r)
+                out.write_text(json.dumps(rows, indent=1) + "\n")
+                if r["fits"]:
+                    break
+
+
+def largest_batches(out: Path) -> None:
+    """The largest batch (a multiple of the chips) whose step fits, splash + chunked loss + remat full."""
+    rows = []
+    for model, target, mesh, seq_len in (("124m", "tpu:v5e-4", "fsdp=4", 1024), ("1b", "tpu:v5e-4", "fsdp=4", 4096)):
+        t0 = time.perf_counter()
+        batch = largest_batch(MODELS[model], train_config(seq_len, 4, mesh, "splash", "full"), target, limit=512)
+        rows.append({"model": model, "target": target, "seq_len": seq_len, "largest_batch": batch,
+                     "seconds": round(time.perf_counter() - t0, 1)})
+        print(rows[-1], flush=True)
+        out.write_text(json.dumps(rows, indent=1) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", choices=sorted(MODELS))
+    ap.add_argument("--smallest", action="store_true", help="the smallest slices for the 8B model")
+    ap.add_argument("--largest", action="store_true", help="the largest batches that fit")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "aot_memory.json")
     args = ap.parse_args()
-    rows = []
+    if args.smallest:
+        return smallest_slices(args.out.with_name("aot_smallest_slices.json"))
+    if args.largest:
+        return largest_batches(args.out.with_name("aot_largest_batch.json"))
+    rows = json.loads(args.out.read_text()) if args.only and args.out.exists() else []
+    rows = [r for r in rows if args.only and r["model"] != args.only]  # --only reruns one model's rows
     for model, target, mesh, shapes in ROWS:
         if args.only and model != args.only:
             continue

@@ -87,8 +87,8 @@ def _sharded(kernel, q_BTHK, k_BTGK, v_BTGK, segment_ids_BT, causal, interpret):
 
 
 def _block_for(t: int, block: int) -> int:
-    """The kernel block for a window of t positions: ``block``, or t rounded up to a multiple of 128 (8 in
-    interpret mode is not needed: 128 keeps the TPU layout) when the window is shorter."""
+    """The kernel block for a window of t positions: ``block``, or t rounded up to a multiple of 128 (the TPU
+    lane width) when the window is shorter."""
     return min(block, -(-t // 128) * 128)
 
 
