@@ -48,6 +48,9 @@ def test_tpu_topology_compile_uses_splash_and_megablox_and_fits():
     sizes = out["bytes_per_device"]
     assert sizes["total"] == sizes["arguments"] + sizes["outputs"] - sizes["aliased"] + sizes["temporary"]
     assert 0 < sizes["total"] < 0.05 * out["hbm_bytes_per_device"]
+    # float32 master weights + two AdamW moments, split 4 ways by fsdp (norm gains and offsets replicated)
+    state = 3 * 4 * HYBRID.param_count() / 4
+    assert state <= out["state_bytes_per_device"] <= min(1.1 * state, sizes["arguments"])
     assert out["flops_per_step"] > 6 * HYBRID.active_param_count() * 8 * 512 * 0.5  # accounting's count
 
 

@@ -14,6 +14,7 @@ TensorCores for v4 and v5p (two per chip; ``tpu:v5p-8`` is 4 chips).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 import jax
@@ -95,7 +96,7 @@ def compile_step(cfg: ModelConfig, tcfg: TrainConfig, target: str | Target = "lo
     """Compile the run's jitted train step for ``target`` from abstract shapes and report it (one dict: the
     keys of ``mlx-llm compile --json``). Nothing is allocated on any device."""
     from mlx_llm.train.parallel import check_batch_divisible, make_mesh
-    from mlx_llm.train.step import compiled_train_step
+    from mlx_llm.train.step import abstract_step_args, compiled_train_step
 
     target = resolve_target(target) if isinstance(target, str) else target
     kernels = tcfg.kernels(target.platform, resolve=True)  # refuses a kernel the target cannot run
@@ -104,7 +105,15 @@ def compile_step(cfg: ModelConfig, tcfg: TrainConfig, target: str | Target = "lo
     if tcfg.objective == "diffusion" and mask_id is None:
         mask_id = cfg.vocab_size - 1  # any valid id: the shapes are what is compiled
     compiled = compile_or_explain(lambda: compiled_train_step(cfg, tcfg, mesh, mask_id, lora_cfg))
-    return report(cfg, tcfg, target, mesh, compiled, kernels)
+    out = report(cfg, tcfg, target, mesh, compiled, kernels)
+    out["state_bytes_per_device"] = state_bytes_per_device(abstract_step_args(cfg, tcfg, mesh, lora_cfg)[0])
+    return out
+
+
+def state_bytes_per_device(state) -> int:
+    """Bytes of the train state (parameters or adapters, optimizer moments) on one device, from each array's
+    shard shape (``param_spec`` splits only evenly): the part of ``arguments`` resident between steps."""
+    return sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(state))
 
 
 def compile_or_explain(compile_fn):
@@ -206,8 +215,9 @@ def format_report(out: dict) -> str:
     if out["bytes_per_device"] is None:
         rows.append(f"XLA refused the program: {out['refused']}")
     else:
+        rows.append(f"  parameters + optimizer state: {out['state_bytes_per_device'] / GiB:9.3f} GiB per device")
         for k in ("arguments", "outputs", "aliased", "temporary", "total"):
-            rows.append(f"  {k:>10}: {out['bytes_per_device'][k] / GiB:9.3f} GiB per device")
+            rows.append(f"  {k:>28}: {out['bytes_per_device'][k] / GiB:9.3f} GiB per device")
         rows.append(f"fits: {'yes' if out['fits'] else 'no'} "
                     f"({100 * out['bytes_per_device']['total'] / out['hbm_bytes_per_device']:.1f} % of HBM)")
     rows.append(f"per step: {out['tokens_per_step']:,} tokens, {out['flops_per_step']:.3e} FLOPs "
