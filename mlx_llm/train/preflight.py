@@ -72,12 +72,12 @@ def tpu_target(name: str) -> Target:
 
 
 def local_target() -> Target:
-    """This process's devices; memory per device from the backend (GPU), else the host's RAM per device."""
-    devices = tuple(jax.devices())
-    stats = devices[0].memory_stats() or {}
-    limit = stats.get("bytes_limit")
+    """Every device of the run (all processes'); memory per device from the backend (GPU), else the host's RAM
+    over this process's devices."""
+    devices, mine = tuple(jax.devices()), jax.local_devices()  # only this process's devices report memory
+    limit = (mine[0].memory_stats() or {}).get("bytes_limit")
     if limit is None:
-        limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // len(devices)
+        limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // len(mine)
     from mlx_llm.kernels import backend_platform
 
     return Target("local", devices, backend_platform(devices[0].platform), int(limit))
