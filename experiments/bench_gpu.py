@@ -40,6 +40,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--remat", default="none", choices=("none", "full", "dots"))
     ap.add_argument("--quick", action="store_true", help="d=128, L=2, T=128, batch 4, float32: a CPU smoke run")
+    ap.add_argument("--attention-impl", default="auto", help="kernels.Kernels.attention_impl (default auto)")
+    ap.add_argument("--loss-chunk", default="auto", help="rows of logits at a time, 0 for all, or auto")
     args = ap.parse_args()
     d, L, V, T, n, dtype = 768, 12, 32768, args.seq_len, 8192, jnp.bfloat16
     if args.quick:
@@ -47,8 +49,10 @@ def main() -> None:
     cfg = ModelConfig(vocab_size=V, d_model=d, n_layers=L, n_heads=d // 64, n_kv_heads=max(1, d // 192), d_head=64,
                       d_ff=8 * d // 3 // 64 * 64, max_seq_len=T)
     tcfg = TrainConfig(batch_size=args.batch, seq_len=T, steps=10_000, warmup_steps=10,
-                       compute_dtype=jnp.dtype(dtype).name, remat=args.remat)
+                       compute_dtype=jnp.dtype(dtype).name, remat=args.remat, attention_impl=args.attention_impl,
+                       loss_chunk=args.loss_chunk if args.loss_chunk == "auto" else int(args.loss_chunk))
     mesh = make_mesh("", jax.devices()[:1])
+    print(f"kernels: {tcfg.kernels(resolve=True)}")
     state = place_state(init_state(cfg, tcfg, optimizer_for(tcfg)), mesh)
     step = jit_train_step(cfg, tcfg, mesh)
     rng = np.random.default_rng(0)
