@@ -92,7 +92,7 @@ class Kernels(JsonConfig):
         return dataclasses.replace(self, attention_impl=attn, moe_impl=moe, loss_chunk=chunk, platform=platform)
 
 
-REFERENCE = Kernels(platform="any")
+REFERENCE = Kernels(platform="any")  # the exact paths on every backend: xla attention, block MoE, whole logits
 # On XLA:CPU the reference attention is faster for short windows (one 128-block tile is the whole score matrix)
 # and flash from 512 positions on (0.84x of xla's time at T = 512, 0.27-0.38x at 2,048-8,192; bench_attention).
 CPU_FLASH_FROM = 512
@@ -102,4 +102,4 @@ def attention_path(kernels: Kernels, length: int) -> str:
     """The attention implementation a resolved ``kernels`` uses for a window of ``length`` positions."""
     if kernels.attention_impl != "auto":
         return kernels.attention_impl
-    return "flash" if length >= CPU_FLASH_FROM else "xla"  # the exact paths: xla attention, block MoE, whole-logits loss
+    return "flash" if length >= CPU_FLASH_FROM else "xla"
