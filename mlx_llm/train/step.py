@@ -20,6 +20,7 @@ import numpy as np
 import optax
 
 from mlx_llm.config import ModelConfig, TrainConfig
+from mlx_llm.kernels import backend_platform
 from mlx_llm.objectives import diffusion
 from mlx_llm.model import hidden_states, init_params, logits_from_hidden, nll_from_hidden, resolved
 from mlx_llm.layers.moe import apply_offset_rule, zero_load
@@ -227,13 +228,12 @@ def abstract_step_args(cfg: ModelConfig, tcfg: TrainConfig, mesh, lora_cfg=None)
 def compiled_train_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, mask_id: int | None = None, lora_cfg=None):
     """``jit_train_step`` compiled ahead of time from ``abstract_step_args``: the pre-flight check
     (train/preflight.py) reads its memory, and the training loop runs the same executable (one compile)."""
-    return jit_train_step(cfg, tcfg, mesh, mask_id, lora_cfg).lower(*abstract_step_args(cfg, tcfg, mesh, lora_cfg)).compile()
+    args = abstract_step_args(cfg, tcfg, mesh, lora_cfg)
+    return jit_train_step(cfg, tcfg, mesh, mask_id, lora_cfg).lower(*args).compile()
 
 
 def mesh_platform(mesh) -> str:
     """"cpu", "gpu" or "tpu" of the mesh's devices (a TPU topology's devices for an AOT compile on the CPU)."""
-    from mlx_llm.kernels import backend_platform
-
     return backend_platform(mesh.devices.flat[0].platform)
 
 
