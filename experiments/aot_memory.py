@@ -66,19 +66,26 @@ def row_text(r: dict) -> str:
 SLICES = {"v5e": (4, 8, 16, 32, 64, 128, 256), "v5p": (8, 16, 32, 64, 128, 256, 512)}
 
 
-def smallest_slices(out: Path) -> None:
-    """For the 8B model at T = 8,192 and 32,768 (one sequence per chip, splash, chunked loss, remat full, bf16,
-    fsdp over every chip): the first slice of each generation whose step fits."""
+def smallest_slices(out: Path, lengths=(8192, 32768), tensors=(1, 4, 8)) -> None:
+    """For the 8B model at T = 8,192 and 32,768 (splash, chunked loss, remat full, bf16): the first slice of each
+    generation whose step fits, trying for each slice ``tensor`` = 1, 4, 8 (heads and FFN split Megatron style)
+    with fsdp over the rest and one sequence per fsdp group (so the batch is chips / tensor)."""
     rows = []
-    for seq_len in (8192, 32768):
+    for seq_len in lengths:
         for gen, sizes in SLICES.items():
+            found = False
             for n in sizes:
                 chips = n // (2 if gen == "v5p" else 1)
-                r = measure("8b", f"tpu:{gen}-{n}", "fsdp=-1", seq_len, chips, "splash", "full")
-                print(row_text(r), flush=True)
-                rows.append(r)
-                out.write_text(json.dumps(rows, indent=1) + "\n")
-                if r["fits"]:
+                for tensor in (t for t in tensors if chips % t == 0 and chips // t >= 1):
+                    mesh = f"fsdp={chips // tensor},tensor={tensor}"
+                    r = measure("8b", f"tpu:{gen}-{n}", mesh, seq_len, chips // tensor, "splash", "full")
+                    print(row_text(r), mesh, flush=True)
+                    rows.append({**r, "mesh_spec": mesh})
+                    out.write_text(json.dumps(rows, indent=1) + "\n")
+                    if r["fits"]:
+                        found = True
+                        break
+                if found:
                     break
 
 
@@ -99,10 +106,12 @@ def main() -> None:
     ap.add_argument("--only", choices=sorted(MODELS))
     ap.add_argument("--smallest", action="store_true", help="the smallest slices for the 8B model")
     ap.add_argument("--largest", action="store_true", help="the largest batches that fit")
+    ap.add_argument("--seq-len", type=int, help="with --smallest: only this length")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "aot_memory.json")
     args = ap.parse_args()
     if args.smallest:
-        return smallest_slices(args.out.with_name("aot_smallest_slices.json"))
+        lengths = (args.seq_len,) if args.seq_len else (8192, 32768)
+        return smallest_slices(args.out.with_name(f"aot_smallest_slices{args.seq_len or ''}.json"), lengths)
     if args.largest:
         return largest_batches(args.out.with_name("aot_largest_batch.json"))
     rows = json.loads(args.out.read_text()) if args.only and args.out.exists() else []

@@ -133,14 +133,17 @@ def dpo_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, beta: fl
                               model_negatives=model_negatives, nll_weight=nll_weight)
     trainable = loop.initial_trainable(base, lora_cfg, tcfg.seed)
     frozen = {"reference": ref.params, **({"base": base.params} if lora_cfg is not None else {})}
+    batch_fn = lambda s, _: (data_.train_batch(s, tcfg.batch_size, tcfg.seed), {})  # noqa: E731
+    update = loop.compiled_update(base.cfg, tcfg, make_loss(base.cfg, beta, lora_cfg, nll_weight,
+                                                            tcfg.kernels(resolve=True)),
+                                  trainable, frozen, batch_fn(0, None)[0])
     before = (eval_task(base.params, base.cfg, base.tok, task, base.template, n=eval_examples)
               if task is not None and not resume else None)
     with locked_run_dir(run_dir, resume):  # held to the end of the run
         loop.start_run(run_dir, base, tcfg, record, resume)
         log(f"dpo from {base.run} (step {base.step}), β = {beta:g}, NLL weight {nll_weight:g}: {len(data_.train):,} train pairs, "
             f"{len(data_.val):,} held out; {'LoRA' if lora_cfg else 'full'}")
-        out = loop.post_loop(run_dir, base.cfg, tcfg, trainable, frozen, make_loss(base.cfg, beta, lora_cfg, nll_weight, tcfg.kernels(resolve=True)),
-                             lambda s, _: (data_.train_batch(s, tcfg.batch_size, tcfg.seed), {}),
+        out = loop.post_loop(run_dir, base.cfg, tcfg, trainable, frozen, update, batch_fn,
                              evaluate=make_eval(base.cfg, beta, lora_cfg, frozen, data_, tcfg.batch_size),
                              resume=resume, show_progress=show_progress, max_seconds=max_seconds, log=log)
         summary = {"steps": out["steps"], "wall_seconds": out["wall_seconds"], **out["eval"]}

@@ -134,11 +134,27 @@ def make_update(loss_fn: LossFn, tcfg: TrainConfig) -> Callable:
     return jax.jit(update, donate_argnums=0)
 
 
-def post_loop(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, trainable, frozen, loss_fn: LossFn,
+def compiled_update(cfg: ModelConfig, tcfg: TrainConfig, loss_fn: LossFn, trainable, frozen, example_batch):
+    """``make_update``'s update compiled ahead of time for the run's shapes (``example_batch``: one batch as
+    ``batch_fn`` returns it) and checked against the local devices' memory (train/preflight.py), before the run
+    directory is created: a step that cannot fit is refused in one line. ``post_loop`` then runs this executable,
+    so the check costs no second compile."""
+    from mlx_llm.train.preflight import check_compiled_fits
+
+    def shapes(tree):
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.asarray(a).dtype), tree)
+
+    state = jax.eval_shape(lambda: init_state(cfg, tcfg, optimizer_for(tcfg), trainable))
+    compiled = make_update(loss_fn, tcfg).lower(state, shapes(frozen), shapes(example_batch)).compile()
+    check_compiled_fits(compiled, "update")
+    return compiled
+
+
+def post_loop(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, trainable, frozen, update: Callable,
               batch_fn: Callable, *, evaluate: Callable | None = None, resume: bool, show_progress: bool,
               max_seconds: float | None = None, log=print) -> dict:
-    """Train ``trainable`` for ``tcfg.steps`` updates of ``loss_fn``; ``batch_fn(step, trainable) → (batch, host
-    metrics)``. Every step's metrics go to metrics.jsonl (a non-finite loss stops the run before any checkpoint
+    """Train ``trainable`` for ``tcfg.steps`` calls of ``update`` (``compiled_update``); ``batch_fn(step, trainable)
+    → (batch, host metrics)``. Every step's metrics go to metrics.jsonl (a non-finite loss stops the run before any checkpoint
     of it); ``evaluate(trainable) → dict`` runs every ``eval_interval`` steps and at the end. ``max_seconds``
     ends the run early (checkpoint and evaluation included) after the step that reaches that much loop time:
     equal-time comparisons."""
@@ -149,7 +165,6 @@ def post_loop(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, trainable, fro
         state = ckpts.restore(abstract_like(state))
         log(f"resumed {run_dir} from step {int(state.step)}")
     truncate_metrics(metrics_path, int(state.step))
-    update = make_update(loss_fn, tcfg)
     start = int(state.step)
     bar = progress_bar(show_progress, start, tcfg.steps)
     last, result, t0 = {}, {}, time.perf_counter()

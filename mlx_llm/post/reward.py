@@ -122,12 +122,14 @@ def reward_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, data=
     trainable = {"model": loop.initial_trainable(base, lora_cfg, tcfg.seed),
                  "reward_head": jnp.zeros((base.cfg.d_model,), jnp.float32)}
     frozen = {"base": base.params} if lora_cfg is not None else {}
+    batch_fn = lambda s, _: (data_.train_batch(s, tcfg.batch_size, tcfg.seed), {})  # noqa: E731
+    update = loop.compiled_update(base.cfg, tcfg, make_loss(base.cfg, lora_cfg, tcfg.kernels(resolve=True)),
+                                  trainable, frozen, batch_fn(0, None)[0])
     with locked_run_dir(run_dir, resume):  # held to the end of the run
         loop.start_run(run_dir, base, tcfg, record, resume)
         log(f"reward model from {base.run} (step {base.step}): {len(data_.train):,} train pairs, {len(data_.val):,} "
             f"held out; {'LoRA' if lora_cfg else 'full'}")
-        out = loop.post_loop(run_dir, base.cfg, tcfg, trainable, frozen, make_loss(base.cfg, lora_cfg, tcfg.kernels(resolve=True)),
-                             lambda s, _: (data_.train_batch(s, tcfg.batch_size, tcfg.seed), {}),
+        out = loop.post_loop(run_dir, base.cfg, tcfg, trainable, frozen, update, batch_fn,
                              evaluate=make_eval(base.cfg, lora_cfg, frozen, data_, tcfg.batch_size),
                              resume=resume, show_progress=show_progress, max_seconds=max_seconds, log=log)
         return write_summary(run_dir, {"steps": out["steps"], "wall_seconds": out["wall_seconds"], **out["eval"]})

@@ -161,6 +161,13 @@ class Sampler:
                               f"{tcfg.seq_len}")
         self.width = pairs_lib.batch_width(longest, tcfg.seq_len)
 
+    def example_batch(self) -> dict:
+        """A batch of this sampler's shapes and dtypes (empty replies), for compiling the update ahead of time."""
+        n = self.tcfg.batch_size * self.k
+        seqs = reply_sequences([self.prompts[0]] * n, [(np.zeros(0, np.int64), "")] * n, self.width,
+                               self.base.tok.pad_id)
+        return {"ids": seqs["ids"], "target": seqs["target"], "reward": np.zeros(n, np.float32)}
+
     def __call__(self, step: int, trainable):
         from mlx_llm.post.sft import sample_replies
 
@@ -218,6 +225,9 @@ def rl_run(run_dir, base_run=None, *, task: str | None = None, tcfg: TrainConfig
                               reward_model=None if reward_model is None else str(Path(reward_model).resolve()),
                               reference=None if reference is None else str(Path(reference).resolve()),
                               kl_estimator="k1, per token, in the reward")
+    trainable = loop.initial_trainable(base, lora_cfg, tcfg.seed)
+    update = loop.compiled_update(base.cfg, tcfg, make_loss(base.cfg, beta, k, lora_cfg, tcfg.kernels(resolve=True)),
+                                  trainable, frozen, sampler.example_batch())
     before = None if resume else eval_task(base.params, base.cfg, base.tok, task, base.template, n=eval_examples)
     with locked_run_dir(run_dir, resume):  # held to the end of the run
         loop.start_run(run_dir, base, tcfg, record, resume)
@@ -228,9 +238,8 @@ def rl_run(run_dir, base_run=None, *, task: str | None = None, tcfg: TrainConfig
             params = loop.policy_params(trainable, frozen, lora_cfg)
             return {"heldout_accuracy": eval_task(params, base.cfg, base.tok, task, base.template, n=eval_examples)["accuracy"]}
 
-        out = loop.post_loop(run_dir, base.cfg, tcfg, loop.initial_trainable(base, lora_cfg, tcfg.seed), frozen,
-                             make_loss(base.cfg, beta, k, lora_cfg, tcfg.kernels(resolve=True)), sampler, evaluate=evaluate, resume=resume,
-                             show_progress=show_progress, max_seconds=max_seconds, log=log)
+        out = loop.post_loop(run_dir, base.cfg, tcfg, trainable, frozen, update, sampler, evaluate=evaluate,
+                             resume=resume, show_progress=show_progress, max_seconds=max_seconds, log=log)
         summary = {"steps": out["steps"], "wall_seconds": out["wall_seconds"], **out["eval"],
                    **{key: out["last"].get(key) for key in ("reward", "accuracy", "kl", "response_length")}}
         if before is not None:

@@ -199,6 +199,18 @@ def advice(out: dict) -> str:
     return f"the train step does not fit: {need}; try " + ", ".join(knobs)
 
 
+def check_compiled_fits(compiled, what: str) -> None:
+    """Refuse (``ConfigError``, one line) a compiled step whose memory exceeds a local device's: the pre-flight of
+    the runs whose step is not ``train.step``'s (reward, DPO, RL: post/loop.py)."""
+    mem, target = compiled.memory_analysis(), local_target()
+    total = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
+    if total > target.hbm_bytes_per_device:
+        raise ConfigError(f"the {what} step does not fit: it needs {total / GiB:.2f} GiB per device, "
+                          f"{(total - target.hbm_bytes_per_device) / GiB:.2f} GiB more than the "
+                          f"{target.hbm_bytes_per_device / GiB:.2f} GiB here; try LoRA (--lora-rank) or a smaller "
+                          f"--batch-size")
+
+
 def check_fits(cfg: ModelConfig, tcfg: TrainConfig, *, lora_cfg=None, mask_id=None) -> dict:
     """``compile_step`` on the local devices; a step that cannot fit is refused (``ConfigError``) before any
     work, with the numbers and the knobs that help."""
