@@ -28,7 +28,7 @@ import jax
 import numpy as np
 
 from mlx_llm import ModelConfig, generate
-from mlx_llm.cli import MAIN_JOB_TRAIN, MAIN_JOB_VOCAB
+from mlx_llm.recipes import MAIN_JOB_TRAIN, MAIN_JOB_VOCAB
 from mlx_llm.decode.diffusion import sample
 from mlx_llm.train import tokenizer as tok_lib
 from mlx_llm.train.checkpoint import read_run_files

@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from mlx_llm import ModelConfig
-from mlx_llm.cli import MAIN_JOB_TRAIN, MAIN_JOB_VOCAB
+from mlx_llm.recipes import MAIN_JOB_TRAIN, MAIN_JOB_VOCAB
 from mlx_llm.train.parallel import make_mesh
 from mlx_llm.train.run import DataSpec, METRICS_FILE, train_run
 from mlx_llm.train.step import device_batch, init_state, jit_train_step, optimizer_for

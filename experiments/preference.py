@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mlx_llm.cli import MAIN_JOB_MODEL, MAIN_JOB_TRAIN, MAIN_JOB_VOCAB, PREF_TRAIN, SFT_TRAIN
+from mlx_llm.recipes import MAIN_JOB_MODEL, MAIN_JOB_TRAIN, MAIN_JOB_VOCAB, PREF_TRAIN, SFT_TRAIN
 from mlx_llm.post import loop, tasks
 from mlx_llm.post.dpo import dpo_run
 from mlx_llm.post.reward import reward_run

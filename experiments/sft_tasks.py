@@ -22,7 +22,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from mlx_llm.cli import MAIN_JOB_MODEL, MAIN_JOB_TRAIN, MAIN_JOB_VOCAB, SFT_TRAIN
+from mlx_llm.recipes import MAIN_JOB_MODEL, MAIN_JOB_TRAIN, MAIN_JOB_VOCAB, SFT_TRAIN
 from mlx_llm.post import lora as lora_lib
 from mlx_llm.post.chat import ChatTemplate
 from mlx_llm.post.sft import load_base, load_data, sft_run

@@ -25,7 +25,7 @@ import numpy as np
 
 from mlx_llm import ModelConfig
 from mlx_llm.decode.state import forward_cached, init_cache, unstack_layers
-from mlx_llm.cli import MAIN_JOB_TRAIN, MAIN_JOB_VOCAB
+from mlx_llm.recipes import MAIN_JOB_TRAIN, MAIN_JOB_VOCAB
 from mlx_llm.scaling.accounting import decode_state_bytes
 from mlx_llm.train.checkpoint import read_run_files
 from mlx_llm.train.run import DataSpec, load_params, train_run

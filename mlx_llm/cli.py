@@ -15,17 +15,9 @@ from pathlib import Path
 from mlx_llm.config import (ATTENTION_IMPLS, COMPUTE_DTYPES, MOE_IMPLS, OBJECTIVES, REMAT_POLICIES, ModelConfig,
                             TrainConfig)
 from mlx_llm.post.tasks import TASKS
+from mlx_llm.recipes import MAIN_JOB_MODEL, MAIN_JOB_TRAIN, MAIN_JOB_VOCAB, PREF_BETA, PREF_TRAIN, SFT_TRAIN
 from mlx_llm.errors import MLXLLMError
 
-# The main job: about 5 minutes on 2 CPU cores, ≤ 1.50 bits per byte on held-out stdlib files (README, "Main
-# job"). A small model on many tokens: at this compute the loss-optimal model is small (U19 §8), and a 1024-token
-# BPE spends little of it on the vocabulary. vocab_size follows the tokenizer. (The experiments' results in the
-# README that start from "the main job" were measured with its earlier 400-step recipe.)
-MAIN_JOB_MODEL = ModelConfig(vocab_size=1024, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, d_head=32,
-                             d_ff=352, max_seq_len=512, tie_embeddings=True)
-MAIN_JOB_TRAIN = TrainConfig(batch_size=32, seq_len=128, steps=700, lr=5e-3, warmup_steps=30,
-                             final_lr_fraction=0.1, eval_interval=350, eval_tokens=0, checkpoint_interval=100)
-MAIN_JOB_VOCAB = 1024
 
 # flags that override a TrainConfig field (flag name → field)
 TRAIN_FLAGS = {"steps": int, "batch_size": int, "seq_len": int, "lr": float, "warmup_steps": int,
@@ -332,10 +324,6 @@ def cmd_generate(args) -> int:
     return 0
 
 
-SFT_TRAIN = TrainConfig(batch_size=16, seq_len=128, steps=300, lr=1e-3, warmup_steps=20, eval_interval=100,
-                        checkpoint_interval=100, weight_decay=0.0)
-
-
 def cmd_sft(args) -> int:
     from mlx_llm.post.sft import sft_run
 
@@ -368,10 +356,6 @@ def _print_heldout(summary: dict) -> None:
               + ("" if before is None else f" (base: {before:.1%})"))
 
 
-PREF_TRAIN = {kind: TrainConfig(batch_size=16, seq_len=128, steps=200, lr=lr, warmup_steps=10, eval_interval=100,
-                                 checkpoint_interval=50, weight_decay=0.0)
-              for kind, lr in (("reward", 3e-4), ("dpo", 1e-5), ("rl", 2e-5))}
-PREF_BETA = {"dpo": 0.1, "rl": 0.05}
 
 
 def _lora_cfg(args):
