@@ -7,13 +7,12 @@ Validation runs in ``__post_init__``: an invalid config cannot exist.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
-from pathlib import Path
-from typing import Any
 
 from mlx_llm.errors import ConfigError
+from mlx_llm.kernels import ATTENTION_IMPLS, MOE_IMPLS, Kernels
+from mlx_llm.settings import JsonConfig, setting, umask_mode, write_json_atomic  # noqa: F401 (re-exported)
+from mlx_llm.layers import layout  # the parameter layout the counts below sum (it imports no mlx_llm module)
 
 _POSITIVE_INTS = ("vocab_size", "d_model", "n_layers", "max_seq_len")
 
@@ -25,8 +24,6 @@ OBJECTIVES = ("ar", "diffusion")  # TrainConfig.objective
 MESH_AXES = ("data", "fsdp", "tensor")  # TrainConfig.mesh (train/parallel.py)
 REMAT_POLICIES = ("none", "full", "dots")  # TrainConfig.remat (model.run_stack)
 SSM_SCANS = ("fused", "associative", "chunked", "auto")  # how the Mamba recurrence runs (layers/mamba.py)
-ATTENTION_IMPLS = ("xla", "flash", "splash", "pallas_gpu", "auto")  # kernels.Kernels.attention_impl
-MOE_IMPLS = ("block", "ragged_dot", "megablox", "auto")  # kernels.Kernels.moe_impl
 _NEEDS = {"attn": ("n_heads", "n_kv_heads", "d_head"), "mamba": (), "swiglu": ("d_ff",),
           "moe": ("n_experts", "moe_top_k", "moe_d_ff"), "none": ()}
 
@@ -69,48 +66,6 @@ def _require_float(cfg, name: str, *, positive: bool = False, low: float | None 
         what = "a finite number > 0" if positive else f"a finite number in [{low}, {high}]"
         raise ConfigError(f"{type(cfg).__name__}.{name} = {value!r} is invalid: it must be {what}")
     object.__setattr__(cfg, name, float(value))
-
-
-class JsonConfig:
-    """JSON round trip shared by the frozen config dataclasses; unknown or missing fields are named."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Any, *, source: str = "config"):
-        name = cls.__name__
-        if not isinstance(data, dict):
-            raise ConfigError(f"{source}: expected a JSON object of {name} fields, got {type(data).__name__}")
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - fields)
-        if unknown:
-            raise ConfigError(f"{source}: unknown {name} field(s) {unknown}; valid fields are {sorted(fields)}")
-        required = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING}
-        missing = sorted(required - set(data))
-        if missing:
-            raise ConfigError(f"{source}: missing required {name} field(s) {missing}")
-        return cls(**data)
-
-    @classmethod
-    def from_json(cls, path: str | os.PathLike):
-        path = Path(path)
-        what = f"{cls.__name__} file {str(path)!r}"
-        try:
-            text = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise ConfigError(f"{what} does not exist") from None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"{what} cannot be read: {exc}") from None
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{what} is not valid JSON: {exc}") from None
-        return cls.from_dict(data, source=str(path))
-
-    def to_json(self, path: str | os.PathLike) -> None:
-        """Write the JSON file atomically (a crash never leaves half a file)."""
-        write_json_atomic(path, self.to_dict())
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -272,37 +227,26 @@ class ModelConfig(JsonConfig):
 
     def mixer_param_count(self, kind: str) -> int:
         """One mixer branch with its norm gain: attention 2d·h_q·d_h + 2d·h_kv·d_h + d (M20 §8); Mamba
-        ``mamba_param_count``."""
-        d = self.d_model
-        if kind == "attn":
-            return 2 * d * self.n_heads * self.d_head + 2 * d * self.n_kv_heads * self.d_head + d
-        if kind == "mamba":
-            return self.mamba_param_count()
-        raise ConfigError(f"no parameter count for mixer kind {kind!r}; valid kinds are {list(MIXER_KINDS)}")
+        ``mamba_param_count``. Summed from the kind's declaration in ``layers.layout``."""
+        if kind not in MIXER_KINDS:
+            raise ConfigError(f"no parameter count for mixer kind {kind!r}; valid kinds are {list(MIXER_KINDS)}")
+        return layout.count(layout.KINDS[kind], self)
 
     def mamba_param_count(self) -> int:
         """One Mamba mixer with its norm gain: d (norm) + 2dI (in_x, in_z) + WI + I (conv) + IR + RI + I (Δ)
         + 2IN (w_B, w_C) + IN (A_log) + I (D) + Id (out_proj)."""
-        d, N, W, R = self.d_model, self.ssm_state, self.ssm_conv, self.ssm_dt_rank
-        I = self.ssm_expand * d
-        return d + 2 * d * I + W * I + I + 2 * I * R + I + 3 * I * N + I + I * d
+        return self.mixer_param_count("mamba")
 
     def ffn_param_count(self, kind: str, *, active: bool = False) -> int:
         """One FFN branch with its norm gain: SwiGLU 3dm + d (M20 §8); MoE d + dX (router) + 3d·m_e per expert,
-        all X + S stored, k + S used by one token (U19 §3); none 0. Balancing offsets are routing state, not θ."""
-        d = self.d_model
-        if kind == "swiglu":
-            return 3 * d * self.d_ff + d
-        if kind == "moe":
-            experts = (self.moe_top_k if active else self.n_experts) + self.n_shared_experts
-            return d + d * self.n_experts + experts * 3 * d * self.moe_d_ff
-        return 0
+        all X + S stored, k + S used by one token (U19 §3); none 0. Balancing offsets are routing state, not θ.
+        Summed from the kind's declaration in ``layers.layout``."""
+        if kind not in FFN_KINDS:
+            raise ConfigError(f"no parameter count for FFN kind {kind!r}; valid kinds are {list(FFN_KINDS)}")
+        return layout.count(layout.KINDS[kind], self, active=active)
 
     def _count(self, active: bool) -> int:
-        n_e = 1 if self.tie_embeddings else 2
-        layers = sum(self.mixer_param_count(m) + self.ffn_param_count(f, active=active)
-                     for m, f in (self.layer_kinds(l) for l in range(self.n_layers)))
-        return n_e * self.vocab_size * self.d_model + layers + self.d_model
+        return layout.count(layout.TOP, self) + layout.stack_count(self, active=active)
 
     def param_count(self) -> int:
         """Trainable parameters θ, closed form (M20 §8 generalised to ``n_heads * d_head != d_model`` and to
@@ -320,19 +264,11 @@ class ModelConfig(JsonConfig):
 
     def routing_state_count(self) -> int:
         """Scalars of routing state (not θ): X balancing offsets per MoE layer (M20 §15)."""
-        return sum(self.n_experts for l in range(self.n_layers) if self.layer_kinds(l)[1] == "moe")
+        return layout.stack_count(self, roles=("state",))
 
     def non_embedding_param_count(self) -> int:
-        """Parameters outside the embedding/unembedding tables (the N of scaling-law fits)."""
-        n_e = 1 if self.tie_embeddings else 2
-        return self.param_count() - n_e * self.vocab_size * self.d_model
-
-
-def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+        """Parameters outside the embedding/unembedding tables (the N of scaling-law fits): θ − n_E·V·d."""
+        return self.param_count() - layout.count(layout.TOP, self, roles=("table",))
 
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
@@ -349,32 +285,42 @@ class TrainConfig(JsonConfig):
     objectives/diffusion.py; the model must be bidirectional and the tokenizer must have ``<|mask|>``).
     """
 
-    batch_size: int = 32
-    seq_len: int = 256
-    steps: int = 1000
-    lr: float = 3e-3
-    warmup_steps: int = 50
-    final_lr_fraction: float = 0.1
-    clip_norm: float = 1.0
-    weight_decay: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.95
-    grad_accum: int = 1
-    eval_interval: int = 250
-    eval_tokens: int = 0
-    checkpoint_interval: int = 250
-    keep_checkpoints: int = 2
-    log_interval: int = 10
-    seed: int = 0
-    compute_dtype: str = "float32"
-    objective: str = "ar"
-    mesh: str = ""  # "data=2,fsdp=4,tensor=1" (train/parallel.py); "" = every device on data
-    remat: str = "none"  # activation recomputation per layer: "none", "full" or "dots" (model.run_stack)
+    batch_size: int = setting(32, "sequences per optimizer step (prompts per step for rl; pairs for reward "
+                              "and dpo), split into --grad-accum micro-batches")
+    seq_len: int = setting(256, "positions per training sequence")
+    steps: int = setting(1000, "optimizer steps (on --resume: may only grow, extending the run)")
+    lr: float = setting(3e-3, "peak learning rate of the warmup-cosine schedule")
+    warmup_steps: int = setting(50, "steps of linear warmup to the peak lr")
+    final_lr_fraction: float = setting(0.1, "the cosine's end, as a fraction of the peak lr")
+    clip_norm: float = setting(1.0, "global gradient-norm clip")
+    weight_decay: float = setting(0.1, "AdamW weight decay (matrices only; norms and biases are not decayed)")
+    b1: float = setting(0.9, "AdamW β₁")
+    b2: float = setting(0.95, "AdamW β₂")
+    grad_accum: int = setting(1, "micro-batches per step (gradients accumulated; the loss is the step's mean)")
+    eval_interval: int = setting(250, "steps between evaluations (and one at the end)")
+    eval_tokens: int = setting(0, "cap on the held-out targets scored per evaluation (0: all)")
+    checkpoint_interval: int = setting(250, "steps between checkpoints (and one at the end)")
+    keep_checkpoints: int = setting(2, "checkpoints kept (older ones are removed)")
+    log_interval: int = setting(10, "steps between metric readbacks (metrics.jsonl, the progress bar)")
+    seed: int = setting(0, "seed of the initialisation, the data order and the noise")
+    compute_dtype: str = setting("float32", "dtype of the forward and backward passes (float32 master weights)",
+                                 choices=COMPUTE_DTYPES)
+    objective: str = setting("ar", "ar (next token) or diffusion (masked diffusion: a bidirectional denoiser "
+                             "trained on the NELBO bound)", choices=OBJECTIVES)
+    mesh: str = setting("", "device mesh, e.g. data=2,fsdp=4 (axes data, fsdp, tensor; default: every device on "
+                        "data); parameters and optimizer state are split along fsdp", metavar="AXIS=N,...")
+    remat: str = setting("none", "recompute activations per layer in the backward pass: none, full or dots",
+                         choices=REMAT_POLICIES)
     # Execution paths (kernels.Kernels; "auto" per backend): they change no number beyond float tolerance.
-    attention_impl: str = "auto"
-    moe_impl: str = "auto"
-    loss_chunk: int | str = "auto"
-    interpret_kernels: bool = False  # Pallas kernels in interpret mode (tests), never chosen by "auto"
+    attention_impl: str = setting("auto", "attention implementation (auto: splash on TPU, pallas_gpu on GPU, xla "
+                                  "on the CPU below 512 positions; flash: blockwise, linear memory, any backend)",
+                                  choices=ATTENTION_IMPLS)
+    moe_impl: str = setting("auto", "MoE grouped product (auto: megablox on TPU, ragged_dot on GPU, block on the "
+                            "CPU)", choices=MOE_IMPLS)
+    loss_chunk: int | str = setting("auto", "rows of logits formed at a time by the loss (0: all; auto: chunked on "
+                                    "accelerators, whole on the CPU)", metavar="N|auto")
+    interpret_kernels: bool = setting(False, "run Pallas kernels in interpret mode (tests); never chosen by auto",
+                                      cli=False)
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -408,8 +354,6 @@ class TrainConfig(JsonConfig):
 
     def kernels(self, platform: str | None = None, *, resolve: bool = False):
         """The run's execution paths (``kernels.Kernels``), resolved for ``platform`` when ``resolve``."""
-        from mlx_llm.kernels import Kernels
-
         k = Kernels(attention_impl=self.attention_impl, moe_impl=self.moe_impl, loss_chunk=self.loss_chunk,
                     interpret=self.interpret_kernels)
         return k.resolve(platform) if resolve else k

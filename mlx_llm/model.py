@@ -16,21 +16,23 @@ Initialisers (``init_params``), chosen for a pre-norm residual stack:
   initialisation does not grow with depth.
 - ``unembed`` ~ N(0, 1/d): unit-scale initial logits, i.e. a near-uniform first prediction (loss ≈ ln V).
 - Normalisation gains = 1 (M20 §4), so each RMSNorm starts as a pure rescaling.
+Every array's shape and initialiser is declared once, in ``mlx_llm.layers.layout``; ``init_params`` splits the
+key into the draws the declarations take and each kind's ``init`` builds its arrays from them.
 """
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mlx_llm.kernels.loss import choose_chunk, chunked_token_nll
 from mlx_llm.config import ModelConfig
 from mlx_llm.errors import InputError
 from mlx_llm.kernels import REFERENCE, Kernels, attention_path
-from mlx_llm.layers import attention, ffn, mamba, moe
+from mlx_llm.layers import attention, ffn, initializers, layout, mamba, moe
 from mlx_llm.objectives.loss import token_nll
 from mlx_llm.ops import causal_mask, dense, document_mask, rms_norm
 
@@ -40,7 +42,7 @@ MIXERS = {"attn": attention, "mamba": mamba}
 FFNS = {"swiglu": ffn, "moe": moe}
 # Normal draws each kind's ``init`` makes (the key stream is split once, so the dense layout draws exactly the
 # keys it always drew: embed, wq, wk, wv, wo, w_gate, w_up, w_down, unembed).
-_DRAWS = {"attn": 4, "mamba": mamba.DRAWS, "swiglu": 3, "moe": 7, "none": 0}
+_DRAWS = {kind: layout.draws(table) for kind, table in layout.KINDS.items()}
 
 
 class Context(NamedTuple):
@@ -57,14 +59,14 @@ class Context(NamedTuple):
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32) -> Params:
     """Random parameters in the DESIGN §1 layout (see the module docstring for the initialisers)."""
-    V, d = cfg.vocab_size, cfg.d_model
-    n_draws = 2 + sum(_DRAWS[m] + _DRAWS[f] for m, f in cfg.group_kinds)
+    n_draws = layout.draws(layout.TOP) + sum(_DRAWS[m] + _DRAWS[f] for m, f in cfg.group_kinds)
     keys = iter(jax.random.split(key, n_draws))
 
     def normal(shape, std):
         return (std * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
 
-    embed_table = normal((V, d), 1.0 / math.sqrt(d) if cfg.tie_embeddings else 1.0)
+    top = layout.TOP
+    embed_table = initializers.init_array(top["embed"], cfg, normal, dtype)  # the first key; ``unembed`` takes the last
     n_groups = cfg.n_layers // cfg.period
     groups = []
     for mixer_kind, ffn_kind in cfg.group_kinds:
@@ -73,9 +75,9 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32) -> Params:
             layer.update(FFNS[ffn_kind].init(cfg, normal, n_groups, dtype))
         groups.append(layer)
     params = {"embed": embed_table, "blocks": groups[0] if cfg.uniform else groups,
-              "final_norm": jnp.ones((d,), dtype)}
-    if not cfg.tie_embeddings:
-        params["unembed"] = normal((d, V), 1 / math.sqrt(d))
+              "final_norm": initializers.init_array(top["final_norm"], cfg, normal, dtype)}
+    if layout.present(top["unembed"], cfg):
+        params["unembed"] = initializers.init_array(top["unembed"], cfg, normal, dtype)
     return params
 
 
@@ -152,8 +154,6 @@ def nll_from_hidden(h_BTD, targets_BT, params: Params, cfg: ModelConfig, loss_ch
     in the backward (kernels/loss.py): the same values and gradients without the (B, T, V) tensor."""
     if not loss_chunk:
         return token_nll(logits_from_hidden(h_BTD, params, cfg), targets_BT)
-    from mlx_llm.kernels.loss import choose_chunk, chunked_token_nll
-
     r_BTD = rms_norm(h_BTD, params["final_norm"], cfg.norm_eps)
     if loss_chunk == "auto":
         loss_chunk = choose_chunk(h_BTD.shape[0] * h_BTD.shape[1], cfg.vocab_size)

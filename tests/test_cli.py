@@ -3,7 +3,6 @@ entry point in a subprocess; the error cases call ``cli.main`` in this process (
 ``__main__`` guard, without a ~2 s interpreter start per case), and a few of them also go through a subprocess."""
 
 import contextlib
-import hashlib
 import io
 import json
 import os
@@ -12,6 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from helpers import snapshot
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,11 +34,6 @@ def cli_in_process(*args):
         except SystemExit as exc:  # argparse errors exit
             code = exc.code
     return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
-
-
-def snapshot(root: Path) -> dict:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +112,24 @@ CASES = [
     (["eval", "--run", "{ws}/empty"], r"is not a run directory"),
     (["generate", "--run", "{ws}/run", "--prompt", "x", "--temperature", "0"], r"temperature"),
     (["generate", "--run", "{ws}/run", "--prompt", "x", "--max-new-tokens", "100"], r"max_seq_len|too long"),
+    # found by probing (issue 21): settings accepted and silently ignored before
+    (["train", "--resume", "--out", "{ws}/run", "--vocab-size", "512"], r"--vocab-size \(given 512, the run has 1024\)"),
+    (["train", "--resume", "--out", "{ws}/run", "--tokenizer", "bpe"], r"--tokenizer \(given 'bpe', the run has 'byte'\)"),
+    (["train", "--resume", "--out", "{ws}/run", "--extensions", ".txt"],
+     r"--extensions \(given \['.txt'\], the run has \['.py', '.txt', '.md'\]\)"),
+    (["train", "--resume", "--out", "{ws}/run", "--val-percent", "10"], r"--val-percent \(given 10.0, the run has 5.0\)"),
+    (["train", "--resume", "--out", "{ws}/run", "--time-budget", "5"], r"--time-budget sizes a new run"),
+    (["sft", "--resume", "--out", "{ws}/run"], r"is a pretrain run, not a sft run"),
+    (["sft", "--base", "{ws}/run", "--task", "addition2", "--out", "{ws}/sft9", "--seq-len", "32", "--lora-alpha", "4"],
+     r"--lora-alpha set\(s\) LoRA adapters: give --lora-rank R too"),
+    (["dpo", "--base", "{ws}/run", "--task", "arithmetic", "--out", "{ws}/dpo0", "--objective", "ar"],
+     r"unrecognized arguments: --objective ar"),
+    (["rl", "--base", "{ws}/run", "--task", "arithmetic", "--out", "{ws}/rl0", "--eval-tokens", "8"],
+     r"unrecognized arguments: --eval-tokens 8"),
+    (["generate", "--run", "{ws}/run", "--prompt", "x", "--diffusion-steps", "3"], r"are settings of a diffusion run"),
+    (["generate", "--run", "{ws}/run", "--prompt", "x", "--beam", "100000"],
+     r"beam width = 100000 is invalid: it must be between 1 and the vocabulary size 263"),
+    (["generate", "--run", "{ws}/run", "--prompt", "x", "--seed", "-1"], r"seed = -1 is invalid"),
 ]
 
 
@@ -192,6 +206,10 @@ def test_sft_lora_eval_task_and_export_merged(workspace, tmp_path):
     proc = cli("eval-task", "--run", tmp_path / "sft", "--task", "addition2", "--examples", 4)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "on addition2: held-out exact match" in proc.stdout and "of 4)" in proc.stdout
+    before = snapshot(tmp_path / "sft")
+    proc = cli_in_process("sft", "--resume", "--out", tmp_path / "sft", "--lora-alpha", 4)
+    assert proc.returncode == 2 and "--lora-alpha (given 4.0, the run has 16.0)" in proc.stderr, proc.stderr
+    assert snapshot(tmp_path / "sft") == before
     proc = cli("export-merged", "--run", tmp_path / "sft", "--out", tmp_path / "merged")
     assert proc.returncode == 0, proc.stderr[-3000:]
     proc = cli("generate", "--run", tmp_path / "merged", "--prompt", "What", "--max-new-tokens", 3, "--json")

@@ -25,8 +25,10 @@ from mlx_llm.layers import moe
 from mlx_llm.post import lora as lora_lib
 from mlx_llm.post.chat import ChatTemplate
 from mlx_llm.train import tokenizer as tok_lib
-from mlx_llm.train.checkpoint import Checkpoints, read_run_files, write_run_files
-from mlx_llm.train.run import load_params
+from mlx_llm.runs.configs import SFTConfig
+from mlx_llm.runs.load import load_params
+from mlx_llm.runs.record import BaseRef, RunRecord, open_run, write_run
+from mlx_llm.train.checkpoint import Checkpoints
 from mlx_llm.train.step import init_state, optimizer_for
 from test_cli import cli_in_process
 
@@ -208,9 +210,10 @@ def test_import_of_export_is_bitwise_identity(exported, tmp_path, arch):
     assert back.cfg == cfg and back.cfg.to_dict() == cfg.to_dict()
     assert_same_params(back.params, params)
     run = import_hf(out, tmp_path / "run")
-    run_cfg, run_tcfg, info = read_run_files(run)
-    assert run_cfg == cfg and info["imported"]["class"] == back.hf_class
-    assert_same_params(load_params(run, run_cfg, run_tcfg), params)
+    opened = open_run(run)
+    run_cfg = opened.cfg
+    assert run_cfg == cfg and opened.record.provenance["imported"]["class"] == back.hf_class
+    assert_same_params(load_params(run), params)
     again = export_run(run, tmp_path / "again")  # and out again: the same tensors, byte for byte
     assert (again / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
 
@@ -265,16 +268,17 @@ def llama_run(exported, tmp_path_factory):
 
 def test_lora_run_exports_merged(hf, hf_models, llama_run, tmp_path):
     _, transformers = hf
-    cfg, tcfg, info = read_run_files(llama_run)
-    base = load_params(llama_run, cfg, tcfg)
+    opened = open_run(llama_run)
+    cfg, tcfg = opened.cfg, opened.tcfg
+    base = load_params(llama_run)
     lcfg = lora_lib.LoRAConfig(rank=2, alpha=4.0, targets=("wq", "w_up"))
     rng = np.random.default_rng(5)  # B = 0 at init: make both factors random so the merge changes the model
     adapters = jax.tree.map(lambda a: (0.1 * rng.standard_normal(a.shape)).astype(np.float32),
                             lora_lib.init(base, lcfg, jax.random.key(5, impl="rbg")))
     run = tmp_path / "lora"
-    write_run_files(run, cfg, tcfg, {"data": info["data"], "sft": {
-        "base": str(llama_run), "base_step": 0, "data": None, "task": None, "n_train": None,
-        "template": ChatTemplate().to_dict(), "lora": dataclasses.asdict(lcfg)}})
+    write_run(run, cfg, tcfg, RunRecord(kind="sft", data=opened.record.data, base=BaseRef(str(llama_run), 0),
+                                        lora=lcfg, template=ChatTemplate().to_dict(),
+                                        settings=SFTConfig(data=str(llama_run / "conversations.jsonl"))))
     shutil.copy(llama_run / "tokenizer.json", run / "tokenizer.json")
     ckpts = Checkpoints(run)
     ckpts.save(0, init_state(cfg, tcfg, optimizer_for(tcfg), adapters))
@@ -407,13 +411,13 @@ def test_cli_export_then_import_then_generate(llama_run, tmp_path):
         records.append(json.loads(proc.stdout)["continuation_ids"])
     assert records[0] == records[1]
     info = json.loads((tmp_path / "run" / "run.json").read_text())
-    assert info["imported"]["exported_from"] == str(llama_run.resolve())
+    assert info["provenance"]["imported"]["exported_from"] == str(llama_run.resolve())
 
 
 def test_cli_refusals_are_one_line(exported, tmp_path):
     cfg = ModelConfig(**dict(BASE, d_ff=32, mixer_pattern=("mamba", "attn")))
     hybrid = tmp_path / "hybrid"
-    write_run_files(hybrid, cfg, TrainConfig(), {"data": {}})
+    write_run(hybrid, cfg, TrainConfig(), RunRecord(kind="pretrain"))
     proc = cli_in_process("export", "--run", hybrid, "--to", tmp_path / "out")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
     assert "mlx-llm export: error:" in proc.stderr and "hybrid" in proc.stderr and not (tmp_path / "out").exists()

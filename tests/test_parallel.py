@@ -257,8 +257,7 @@ def _metric_rows(run):
 
 
 def test_two_processes_equal_one_process(two_process_runs):
-    from mlx_llm.train.run import load_params
-    from mlx_llm.train.checkpoint import read_run_files
+    from mlx_llm.runs.load import load_params
 
     one, two, stdouts = two_process_runs
     rows1, rows2 = _metric_rows(one), _metric_rows(two)
@@ -268,8 +267,8 @@ def test_two_processes_equal_one_process(two_process_runs):
         for k in ("loss", "val_loss"):
             if k in a:
                 assert abs(a[k] - b[k]) <= 1e-6, (k, a, b)
-    p1 = load_params(one, *read_run_files(one)[:2])
-    p2 = load_params(two, *read_run_files(two)[:2])
+    p1 = load_params(one)
+    p2 = load_params(two)
     assert max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
                for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2))) <= 1e-6
     assert json.loads((two / "summary.json").read_text())["devices"] == 4

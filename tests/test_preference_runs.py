@@ -15,9 +15,10 @@ from mlx_llm.post.dpo import dpo_run
 from mlx_llm.post.lora import LoRAConfig
 from mlx_llm.post.reward import load_reward_model, reward_run
 from mlx_llm.post.rl import rl_run
-from mlx_llm.post.sft import load_sft_params
-from mlx_llm.train.checkpoint import read_run_files
-from mlx_llm.train.run import load_params
+from mlx_llm.runs.configs import DPOConfig, RewardConfig, RLConfig
+from mlx_llm.runs.load import load_params
+from mlx_llm.runs.record import open_run
+from helpers import snapshot
 from tiny_runs import SFT
 
 QUIET = dict(show_progress=False, log=lambda *a: None)
@@ -41,7 +42,7 @@ def reward_model(sft_start, tmp_path_factory):
     same sum with one digit moved by ±1, 400 steps of 32 pairs. (On arithmetic's pairs this tiny trunk stays near
     chance: 0.54 after 400 steps, 0.52 after 1,000; README.)"""
     run = tmp_path_factory.mktemp("rm") / "rm"
-    summary = reward_run(run, sft_start, task="addition2", n_train=4000,
+    summary = reward_run(run, sft_start, settings=RewardConfig(task="addition2", n_train=4000),
                          tcfg=tiny(steps=400, batch_size=32, lr=2e-3, warmup_steps=10, eval_interval=400,
                                    checkpoint_interval=400), **QUIET)
     return run, summary
@@ -57,14 +58,14 @@ def test_reward_model_prefers_correct_answers_on_heldout_pairs(reward_model, sft
     rm = load_reward_model(run)
     assert rm.head.shape == (rm.cfg.d_model,) and float(abs(rm.head).sum()) > 0
     with pytest.raises(ConfigError, match=r"is a reward model .* load it with mlx_llm.post.reward"):
-        load_params(run, *read_run_files(run)[:2])
+        load_params(run)
 
 
 def test_dpo_raises_heldout_exact_match_above_its_sft_start(sft_start, tmp_path):
     """DPO on correct-vs-corrupted pairs with the chosen-reply NLL term (α = 1; pure DPO lowers exact match on
     these one-digit-apart pairs, README): more held-out problems right than the SFT start, greedy, all 1,000."""
-    summary = dpo_run(tmp_path / "dpo", sft_start, task=TASK, beta=0.1, nll_weight=1.0, n_train=2000,
-                      eval_examples=None, tcfg=tiny(steps=60, batch_size=16, lr=3e-4, warmup_steps=5,
+    settings = DPOConfig(task=TASK, beta=0.1, nll_weight=1.0, n_train=2000, eval_examples=None)
+    summary = dpo_run(tmp_path / "dpo", sft_start, settings=settings, tcfg=tiny(steps=60, batch_size=16, lr=3e-4, warmup_steps=5,
                                                     eval_interval=60, checkpoint_interval=60), **QUIET)
     assert summary["heldout_accuracy"] >= summary["base_heldout_accuracy"] + 0.01, summary  # 21.9 % → 23.8 %
     assert summary["val_margin"] > 0 and summary["val_accuracy"] > 0.5, summary  # the implicit reward ranks pairs
@@ -74,7 +75,7 @@ def test_rl_raises_heldout_exact_match_above_its_sft_start(sft_start, tmp_path):
     """On-policy RL with the checker's reward, 150 steps of 16 prompts × 8 replies, β = 0.05. (At lr 1e-3, or
     3e-4 for 60 steps, exact match stays put or falls: Adam's first steps move every weight by about lr whatever
     the gradient's noise; README.)"""
-    summary = rl_run(tmp_path / "rl", sft_start, task=TASK, beta=0.05, k=8, eval_examples=None,
+    summary = rl_run(tmp_path / "rl", sft_start, settings=RLConfig(task=TASK, beta=0.05, k=8, eval_examples=None),
                      tcfg=tiny(steps=150, batch_size=16, lr=1e-4, warmup_steps=5, eval_interval=150,
                                checkpoint_interval=150), **QUIET)
     assert summary["heldout_accuracy"] >= summary["base_heldout_accuracy"] + 0.01, summary  # 21.9 % → 23.6 %
@@ -86,13 +87,14 @@ def test_resumed_rl_run_replays_the_same_samples_and_parameters(sft_start, tmp_p
     uninterrupted one, metrics line for line."""
     tcfg = tiny(batch_size=2)
     lora = LoRAConfig(rank=2, alpha=4.0)
-    kw = dict(task=TASK, tcfg=tcfg, k=2, beta=0.1, lora_cfg=lora, n_train=50, eval_examples=8, **QUIET)
+    kw = dict(settings=RLConfig(task=TASK, k=2, beta=0.1, n_train=50, eval_examples=8), tcfg=tcfg, lora_cfg=lora,
+              **QUIET)
     full, cut = tmp_path / "full", tmp_path / "cut"
     rl_run(full, sft_start, **kw)
     rl_run(cut, sft_start, **kw)
     shutil.rmtree(cut / "checkpoints" / "4")
-    rl_run(cut, resume=True, eval_examples=8, **QUIET)
-    chex.assert_trees_all_equal(jax.device_get(load_sft_params(cut)), jax.device_get(load_sft_params(full)))
+    rl_run(cut, resume=True, **QUIET)
+    chex.assert_trees_all_equal(jax.device_get(load_params(cut)), jax.device_get(load_params(full)))
     assert (cut / "metrics.jsonl").read_text() == (full / "metrics.jsonl").read_text()
     rows = [json.loads(line) for line in (full / "metrics.jsonl").read_text().splitlines()]
     assert {"reward", "kl", "accuracy", "response_length", "loss"} <= set(rows[0])
@@ -128,16 +130,17 @@ def test_refusals_leave_nothing(sft_start, reward_model, base_run, tmp_path):
         (rl_run, dict(task="nope"), ConfigError, r"task = 'nope' is invalid"),
         (dpo_run, dict(task=TASK, tcfg=tiny(seq_len=128)), ConfigError, r"seq_len = 128 is longer than the base"),
     ]
+    settings_of = {dpo_run: DPOConfig, rl_run: RLConfig, reward_run: RewardConfig}
     for fn, kwargs, error, message in cases:
-        kwargs = {"tcfg": tiny(), **kwargs}
+        tcfg = kwargs.pop("tcfg", tiny())
         with pytest.raises(error, match=message):
-            fn(out, sft_start, **kwargs, **QUIET)
+            fn(out, sft_start, tcfg=tcfg, settings=settings_of[fn](**kwargs), **QUIET)
         assert not out.exists(), fn
     with pytest.raises(ConfigError, match=r"is a reward model"):
-        dpo_run(out, rm_run, task=TASK, tcfg=tiny(), **QUIET)
+        dpo_run(out, rm_run, settings=DPOConfig(task=TASK), tcfg=tiny(), **QUIET)
     assert not out.exists()
     with pytest.raises(CheckpointError, match=r"already holds a run; pass --resume"):
-        rl_run(rm_run, sft_start, task=TASK, tcfg=tiny(), **QUIET)
+        rl_run(rm_run, sft_start, settings=RLConfig(task=TASK), tcfg=tiny(), **QUIET)
 
 
 def test_cli_runs_and_refuses_in_one_line(sft_start, reward_model, tmp_path, capsys):
@@ -148,7 +151,7 @@ def test_cli_runs_and_refuses_in_one_line(sft_start, reward_model, tmp_path, cap
     out = capsys.readouterr().out.splitlines()
     assert out[-2].startswith(f"run: {tmp_path / 'dpo'}; held-out pairs: preference accuracy")
     assert out[-1].startswith("held-out exact match") and "(base: " in out[-1]
-    assert read_run_files(tmp_path / "dpo")[2]["post"]["beta"] == 0.2
+    assert open_run(tmp_path / "dpo").record.settings.beta == 0.2
     assert cli.main(["rl", *common, "--task", TASK, "--k", "2", "--reward-model", str(reward_model[0]),
                      "--lora-rank", "2", "--eval-examples", "8", "--out", str(tmp_path / "rl")]) == 0
     assert "reward" in capsys.readouterr().out
@@ -157,6 +160,15 @@ def test_cli_runs_and_refuses_in_one_line(sft_start, reward_model, tmp_path, cap
     assert cli.main(["rl", *common, "--task", TASK, "--k", "1", "--out", str(tmp_path / "bad")]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "k = 1 is invalid" in err and not (tmp_path / "bad").exists()
-    assert cli.main(["dpo", "--resume", "--out", str(tmp_path / "dpo"), "--beta", "0.3"]) == 0  # β default ignored
-    assert cli.main(["dpo", "--resume", "--out", str(tmp_path / "dpo"), "--steps", "9"]) == 2
-    assert "give only --out" in capsys.readouterr().err
+    before = snapshot(tmp_path / "dpo")  # a refused resume writes nothing
+    assert cli.main(["dpo", "--resume", "--out", str(tmp_path / "dpo"), "--beta", "0.3"]) == 2
+    assert "--beta (given 0.3, the run has 0.2)" in capsys.readouterr().err
+    assert cli.main(["rl", "--resume", "--out", str(tmp_path / "rl"), "--k", "8"]) == 2
+    assert "--k (given 8, the run has 2)" in capsys.readouterr().err
+    assert cli.main(["dpo", "--resume", "--out", str(tmp_path / "dpo"), "--steps", "1"]) == 2
+    assert "--steps 1 would shorten" in capsys.readouterr().err
+    assert snapshot(tmp_path / "dpo") == before
+    assert cli.main(["dpo", "--resume", "--out", str(tmp_path / "dpo"), "--beta", "0.2", "--no-progress"]) == 0
+    capsys.readouterr()  # the same β is no change: the finished run resumes (nothing left to train)
+    assert cli.main(["dpo", "--resume", "--out", str(tmp_path / "dpo"), "--steps", "3", "--no-progress"]) == 0
+    assert json.loads((tmp_path / "dpo" / "train_config.json").read_text())["steps"] == 3  # extended by one

@@ -119,8 +119,9 @@ def test_post_training_update_is_refused_when_it_cannot_fit(monkeypatch):
     from mlx_llm.post import loop
     from mlx_llm.train import preflight
 
-    def loss_fn(trainable, frozen, batch):
-        return jnp.mean((batch["x"] @ trainable["w"] - frozen["y"]) ** 2), {}
+    def loss_fn(trainable, frozen, batch, key):  # train.step.make_update's objective form: sums and a count
+        n = jnp.asarray(batch["x"].shape[0], jnp.float32)
+        return jnp.sum(jnp.mean((batch["x"] @ trainable["w"] - frozen["y"]) ** 2, axis=-1)), (n, None, {})
 
     trainable, frozen = {"w": jnp.ones((64, 8), jnp.float32)}, {"y": jnp.zeros((16, 8), jnp.float32)}
     batch = {"x": jnp.ones((16, 64), jnp.float32)}

@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 
 from mlx_llm.errors import CheckpointError, ConfigError
-from mlx_llm.train.checkpoint import (LOCK_FILE, MANIFEST_FILE, Checkpoints, check_run_dir, locked_run_dir,
-                                      read_run_files, run_lock)
-from mlx_llm.train.run import load_params, train_run
+from mlx_llm.runs.load import load_params
+from mlx_llm.runs.record import open_run
+from mlx_llm.train.checkpoint import LOCK_FILE, MANIFEST_FILE, Checkpoints, check_run_dir, locked_run_dir, run_lock
+from mlx_llm.train.run import train_run
 from test_cli import cli_in_process, snapshot
 from test_train import TINY, assert_trees_equal, corpus_dir, spec_for, tiny_train  # noqa: F401 (a fixture)
 
@@ -39,8 +40,7 @@ def copy_run(finished, to):
 
 
 def params_of(out, step=None):
-    cfg, tcfg, _ = read_run_files(out)
-    return jax.device_get(load_params(out, cfg, tcfg, step))
+    return jax.device_get(load_params(out, step))
 
 
 def metric_rows(out):
@@ -227,6 +227,16 @@ def test_resume_refusals_change_nothing(tmp_path, finished):
                                                                r"change")]
     for args, message in cases:
         assert re.search(message, cli_refused(tmp_path, *args))
+    # a checkpoint without a manifest that orbax cannot restore: found under the run's lock, after which nothing
+    # else is written (the resume's changes are recorded only once the state is restored)
+    old = copy_run(finished, tmp_path / "old")
+    for step in (3, 6):
+        (old / "checkpoints" / str(step) / MANIFEST_FILE).unlink()
+    truncate(old / "checkpoints" / "6")
+    before = {k: v for k, v in snapshot(old).items() if k != LOCK_FILE}
+    proc = cli_in_process("train", "--resume", "--out", old, "--steps", 22, "--no-progress")
+    assert proc.returncode == 2 and "orbax cannot restore it" in proc.stderr, proc.stderr
+    assert {k: v for k, v in snapshot(old).items() if k != LOCK_FILE} == before  # run.lock: the holder's pid
     with pytest.raises(ConfigError, match=r"may change only \[.*'steps'.*\] of its train config, not \['lr'\]"):
         train_run(out, None, None, None, resume=True, changes={"lr": 0.1}, show_progress=False)
     assert not (tmp_path / "new").exists()
@@ -241,8 +251,8 @@ def test_extending_a_finished_run(tmp_path, finished):
     plot_before = (ext / "loss.png").read_bytes()
     cache = ("--cache-dir", finished.parent / "cache")
     cli_ok("train", "--resume", "--out", ext, "--steps", 9, "--no-progress", "--sample-tokens", 8, *cache)
-    tcfg = read_run_files(ext)[1]
-    assert tcfg == tiny_train(steps=9) and read_run_files(ext)[2]["schedule_steps"] == 6
+    tcfg = open_run(ext).tcfg
+    assert tcfg == tiny_train(steps=9) and open_run(ext).record.schedule_steps == 6
     rows, old = metric_rows(ext), metric_rows(finished)
     assert rows[:len(old)] == old
     train = {r["step"]: r for r in rows if "loss" in r}

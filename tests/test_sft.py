@@ -14,9 +14,10 @@ from mlx_llm.config import TrainConfig
 from mlx_llm.errors import ConfigError, DataError
 from mlx_llm.post.chat import ChatTemplate
 from mlx_llm.post.lora import LoRAConfig
-from mlx_llm.post.sft import eval_task, load_sft_params, merge_run, pack, sft_run
-from mlx_llm.train.checkpoint import read_run_files
-from mlx_llm.train.run import load_params
+from mlx_llm.post.sft import eval_task, pack, sft_run
+from mlx_llm.runs.configs import SFTConfig
+from mlx_llm.runs.load import load_params, merge_run
+from mlx_llm.runs.record import open_run
 from mlx_llm.train.tokenizer import ByteTokenizer
 from tiny_runs import BASE_CFG, SFT
 
@@ -45,39 +46,40 @@ def test_full_sft_teaches_arithmetic(arithmetic_sft):
     assert summary["base_heldout_accuracy"] == 0.0
     assert summary["heldout_accuracy"] > 0.15, summary
     assert summary["trainable_params"] == BASE_CFG.param_count()
-    cfg, tcfg, info = read_run_files(arithmetic_sft)
-    assert info["sft"]["task"] == "arithmetic" and info["sft"]["lora"] is None and cfg == BASE_CFG
-    res = eval_task(load_params(arithmetic_sft, cfg, tcfg), cfg, ByteTokenizer(), "arithmetic", n=400)
+    run = open_run(arithmetic_sft)
+    cfg, record = run.cfg, run.record
+    assert record.kind == "sft" and record.settings.task == "arithmetic" and record.lora is None and cfg == BASE_CFG
+    res = eval_task(load_params(arithmetic_sft), cfg, ByteTokenizer(), "arithmetic", n=400)
     assert res["n"] == 400 and res["accuracy"] > 0.15
 
 
 def test_lora_run_checkpoints_adapters_merges_and_resumes(base_run, tmp_path):
     tcfg = TrainConfig(**{**SFT, "warmup_steps": 2}, steps=6, eval_interval=3, checkpoint_interval=3, log_interval=1)
     lora = LoRAConfig(rank=4, alpha=8.0, targets=("wq", "wv"))
-    base_before = jax.device_get(load_params(base_run, BASE_CFG, TrainConfig()))
+    base_before = jax.device_get(load_params(base_run))
     full, cut = tmp_path / "full", tmp_path / "cut"
-    summary = sft_run(full, base_run, tcfg=tcfg, task="addition2", n_train=500, lora_cfg=lora, eval_examples=16,
-                      show_progress=False, log=lambda *a: None)
+    settings = SFTConfig(task="addition2", n_train=500, eval_examples=16)
+    summary = sft_run(full, base_run, tcfg=tcfg, settings=settings, lora_cfg=lora, show_progress=False,
+                      log=lambda *a: None)
     assert summary["trainable_params"] == 2 * 4 * (64 + 64) + 2 * 4 * (64 + 32)  # L · r(d_in + d_out), wq and wv
     # the base run is untouched, the LoRA run's checkpoint holds only the adapters
-    chex.assert_trees_all_equal(jax.device_get(load_params(base_run, BASE_CFG, TrainConfig())), base_before)
+    chex.assert_trees_all_equal(jax.device_get(load_params(base_run)), base_before)
     ckpt_files = sum(f.stat().st_size for f in (full / "checkpoints").rglob("*") if f.is_file())
     base_files = sum(f.stat().st_size for f in (base_run / "checkpoints").rglob("*") if f.is_file())
     assert ckpt_files < base_files / 4
-    merged_params = load_sft_params(full)
+    merged_params = load_params(full)
     tokens = np.arange(12, dtype=np.int32)[None]
     assert np.max(np.abs(np.asarray(forward(merged_params, tokens, BASE_CFG))
                          - np.asarray(forward(base_before, tokens, BASE_CFG)))) > 1e-6  # trained adapters act
     out = merge_run(full, tmp_path / "merged")
-    cfg, tcfg2, info = read_run_files(out)
-    assert "sft" not in info
-    chex.assert_trees_all_close(jax.device_get(load_params(out, cfg, tcfg2)), jax.device_get(merged_params))
+    merged = open_run(out)
+    assert merged.kind == "merged" and merged.record.lora is None and merged.record.base is None
+    chex.assert_trees_all_close(jax.device_get(load_params(out)), jax.device_get(merged_params))
     # bitwise resume
-    sft_run(cut, base_run, tcfg=tcfg, task="addition2", n_train=500, lora_cfg=lora, eval_examples=16,
-            show_progress=False, log=lambda *a: None)
+    sft_run(cut, base_run, tcfg=tcfg, settings=settings, lora_cfg=lora, show_progress=False, log=lambda *a: None)
     shutil.rmtree(cut / "checkpoints" / "6")
-    sft_run(cut, resume=True, eval_examples=16, show_progress=False, log=lambda *a: None)
-    chex.assert_trees_all_equal(jax.device_get(load_sft_params(cut)), jax.device_get(merged_params))
+    sft_run(cut, resume=True, show_progress=False, log=lambda *a: None)
+    chex.assert_trees_all_equal(jax.device_get(load_params(cut)), jax.device_get(merged_params))
     assert (cut / "metrics.jsonl").read_text() == (full / "metrics.jsonl").read_text()
 
 
@@ -95,6 +97,8 @@ def test_sft_refusals_leave_nothing(base_run, tmp_path):
     ]
     for kwargs, error, message in cases:
         kwargs = {"tcfg": tcfg, **kwargs}
+        data_kwargs = {k: kwargs.pop(k) for k in ("task", "data") if k in kwargs}
         with pytest.raises(error, match=message):
-            sft_run(tmp_path / "out", base_run, show_progress=False, log=lambda *a: None, **kwargs)
+            sft_run(tmp_path / "out", base_run, show_progress=False, log=lambda *a: None,
+                    settings=SFTConfig(**data_kwargs), **kwargs)
         assert not (tmp_path / "out").exists()

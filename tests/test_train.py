@@ -19,7 +19,9 @@ from mlx_llm.train.checkpoint import Checkpoints
 from mlx_llm.config import TrainConfig
 from mlx_llm.errors import CheckpointError, ConfigError
 from mlx_llm.train.metrics import TrainingDiverged
-from mlx_llm.train.run import DataSpec, load_params, train_run
+from mlx_llm.runs.configs import DataSpec
+from mlx_llm.runs.load import load_params
+from mlx_llm.train.run import train_run
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ModelConfig(vocab_size=263, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, d_head=8, d_ff=32, max_seq_len=64)
@@ -53,10 +55,7 @@ def run(out, corpus_dir, tcfg, *, resume=False, cfg=TINY, cache=None):
 
 
 def final_params(out):
-    from mlx_llm.train.checkpoint import read_run_files
-
-    cfg, tcfg, _ = read_run_files(out)
-    return jax.device_get(load_params(out, cfg, tcfg))
+    return jax.device_get(load_params(out))
 
 
 def assert_trees_equal(a, b):
@@ -272,13 +271,15 @@ def test_diffusion_run_trains_evaluates_samples_and_resumes_bitwise(tmp_path, co
     """`--objective diffusion` end to end: the tokenizer gains <|mask|>, the model is made bidirectional, the
     loss (the NELBO per token) falls, eval reports the bound, the closing sample holds no MASK, and a resumed run
     equals the uninterrupted one bit for bit (the noise is a function of (seed, step, micro-batch))."""
-    from mlx_llm.train.checkpoint import read_run_files
-    from mlx_llm.train.run import evaluate_run, generate_from_run
+    from mlx_llm.runs.record import open_run
+    from mlx_llm.runs.sample import generate_from_run
+    from mlx_llm.train.run import evaluate_run
 
     tcfg = tiny_train(objective="diffusion", grad_accum=2, steps=6)
     full, cut = tmp_path / "full", tmp_path / "cut"
     summary = run(full, corpus_dir, tcfg, cfg=TINY)
-    cfg, saved_tcfg, _ = read_run_files(full)
+    opened = open_run(full)
+    cfg, saved_tcfg = opened.cfg, opened.tcfg
     assert not cfg.causal and cfg.vocab_size == 264 and saved_tcfg.objective == "diffusion"
     rows = [json.loads(line) for line in (full / "metrics.jsonl").read_text().splitlines()]
     assert all(np.isfinite(r["loss"]) for r in rows if "loss" in r)

@@ -6,7 +6,9 @@ import numpy as np
 
 from mlx_llm import ModelConfig
 from mlx_llm.config import TrainConfig
-from mlx_llm.train.run import DataSpec, train_run
+from mlx_llm.post.sft import sft_run
+from mlx_llm.runs.configs import DataSpec, SFTConfig
+from mlx_llm.train.run import train_run
 
 BASE_CFG = ModelConfig(vocab_size=263, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_head=16, d_ff=128,
                        max_seq_len=64)
@@ -33,9 +35,7 @@ def sft_arithmetic(root: Path, base: Path) -> Path:
     """The tiny base fully fine-tuned on ``arithmetic`` for 4,000 steps (about 80 s on 2 cores): past the steps
     where held-out exact match jumps (3.75 % after 1,500 steps, 23 % after 4,000), so the preference runs start
     from a model that answers a fifth of the problems."""
-    from mlx_llm.post.sft import sft_run
-
     tcfg = TrainConfig(**SFT, steps=4000, eval_interval=4000, checkpoint_interval=4000)
-    sft_run(root / "sft", base, tcfg=tcfg, task="arithmetic", n_train=20_000, eval_examples=None,
+    sft_run(root / "sft", base, tcfg=tcfg, settings=SFTConfig(task="arithmetic", n_train=20_000, eval_examples=None),
             show_progress=False, log=lambda *a: None)
     return root / "sft"

@@ -18,14 +18,16 @@ import contextlib
 import dataclasses
 import json
 import os
-import shutil
 from pathlib import Path
 
 import numpy as np
 
-from mlx_llm.config import ModelConfig, TrainConfig
+from mlx_llm.config import ModelConfig, TrainConfig, umask_mode
 from mlx_llm.errors import CheckpointError, ConfigError
 from mlx_llm.interop import hf_config, hf_tokenizer, hf_weights
+from mlx_llm.runs.configs import DataSpec
+from mlx_llm.runs.load import check_new_dir, checkpoint_step, load_params, new_dir, write_checkpoint_run
+from mlx_llm.runs.record import RunRecord, open_run
 from mlx_llm.train import tokenizer as tok_lib
 
 WEIGHTS_FILE, INDEX_FILE, CONFIG_FILE = "model.safetensors", "model.safetensors.index.json", "config.json"
@@ -35,28 +37,6 @@ IMPORT_STEP = 0  # the checkpoint step of an imported run
 
 
 # ----- output directories ---------------------------------------------------------------------------------
-def check_new_dir(path: Path, what: str) -> None:
-    """``path`` must not exist, or be an empty directory: nothing is ever overwritten."""
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
-        raise CheckpointError(f"{what} {str(path)!r} exists and is not empty; choose a new directory")
-
-
-@contextlib.contextmanager
-def new_dir(path: Path):
-    """Yield a temporary sibling of ``path`` to fill; on success it becomes ``path``, on failure it is removed."""
-    path = Path(path).absolute()
-    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        yield tmp
-        if path.exists():
-            path.rmdir()  # empty (checked before): rename needs it gone
-        os.rename(tmp, path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
 def _write_json(path: Path, obj) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
@@ -91,6 +71,7 @@ def export_model(params: dict, cfg: ModelConfig, tok: tok_lib.Tokenizer, out_dir
     config = hf_config.to_hf(cfg, arch, ids, {"provenance": provenance or {}}, str(tensors_dtype(tensors)))
     with new_dir(out_dir) as tmp:
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        os.chmod(tmp / WEIGHTS_FILE, umask_mode())  # safetensors creates it private (0o600)
         _write_json(tmp / CONFIG_FILE, config)
         _write_json(tmp / GENERATION_CONFIG_FILE, {f"{k}_token_id": v for k, v in ids.items()})
         _write_json(tmp / hf_tokenizer.TOKENIZER_FILE, hf_tokenizer.tokenizer_json(tok))
@@ -108,45 +89,26 @@ def tensors_dtype(tensors: dict) -> np.dtype:
 
 def export_run(run_dir, out_dir, *, step: int | None = None) -> Path:
     """Export a run's checkpoint (latest, or ``step``): a pretrained or fine-tuned language model; a LoRA run
-    is exported with its adapters folded into the base (``train.run.load_params``). Reward models and
+    is exported with its adapters folded into the base (``runs.load.load_params``). Reward models and
     masked-diffusion runs are refused."""
-    from mlx_llm.train.checkpoint import read_run_files
-    from mlx_llm.train.run import load_params
-
-    run_dir = Path(run_dir)
-    cfg, tcfg, info = read_run_files(run_dir)
-    if (info.get("post") or {}).get("kind") == "reward":
-        raise ConfigError(f"cannot export {run_dir}: it is a reward model (a trunk and a scalar reward head), not a "
+    run = open_run(run_dir)
+    cfg, tcfg = run.cfg, run.tcfg
+    if run.kind == "reward":
+        raise ConfigError(f"cannot export {run.path}: it is a reward model (a trunk and a scalar reward head), not a "
                           f"language model; transformers' causal-LM classes have no reward head")
     if tcfg.objective != "ar" or not cfg.causal:
-        raise ConfigError(f"cannot export {run_dir}: it is a masked-diffusion denoiser (objective "
+        raise ConfigError(f"cannot export {run.path}: it is a masked-diffusion denoiser (objective "
                           f"{tcfg.objective!r}, causal = {cfg.causal}); transformers' causal-LM classes predict "
                           f"the next token from earlier ones only")
     hf_config.architecture(cfg)  # refuse before restoring anything
     check_new_dir(Path(out_dir), "export directory")
-    tok = tok_lib.load(run_dir)
-    if step is None:
-        step = latest_step(run_dir)
-    params = load_params(run_dir, cfg, tcfg, step)
-    provenance = {"run": str(run_dir.resolve()), "step": step, "data": info.get("data"),
+    tok = tok_lib.load(run.path)
+    step = checkpoint_step(run, step)
+    params = load_params(run, step)
+    provenance = {"run": str(run.path.resolve()), "step": step,
+                  "data": None if run.record.data is None else run.record.data.to_dict(),
                   "train_config": tcfg.to_dict()}
     return export_model(jax_to_numpy(params), cfg, tok, out_dir, provenance=provenance)
-
-
-def latest_step(run_dir: Path) -> int:
-    """The run's latest checkpoint step (looked up without creating anything in the run)."""
-    from mlx_llm.train.checkpoint import CHECKPOINT_DIR, Checkpoints
-
-    if not (run_dir / CHECKPOINT_DIR).is_dir():
-        raise CheckpointError(f"{run_dir} has no {CHECKPOINT_DIR}/ directory: there is no checkpoint to export")
-    ckpts = Checkpoints(run_dir)
-    try:
-        step = ckpts.latest_step()
-    finally:
-        ckpts.close()
-    if step is None:
-        raise CheckpointError(f"{run_dir / CHECKPOINT_DIR} holds no checkpoint to export")
-    return step
 
 
 def jax_to_numpy(tree):
@@ -252,37 +214,24 @@ def _train_config(block: dict, cfg: ModelConfig) -> TrainConfig:
     return TrainConfig(seq_len=seq_len)
 
 
-def _data_spec(block: dict, tok: tok_lib.Tokenizer) -> dict:
-    from mlx_llm.train.run import DataSpec
-
+def _data_spec(block: dict, tok: tok_lib.Tokenizer) -> DataSpec:
     stored = provenance(block).get("data")
     if stored:
-        with contextlib.suppress(TypeError, KeyError):
-            return DataSpec.from_dict(stored).to_dict()
+        with contextlib.suppress(ConfigError, TypeError, KeyError):
+            return DataSpec.from_dict(stored)
     kind = "byte" if isinstance(tok, tok_lib.ByteTokenizer) else "bpe"
-    return DataSpec(tokenizer=kind, vocab_size=tok.vocab_size).to_dict()
+    return DataSpec(tokenizer=kind, vocab_size=tok.vocab_size)
 
 
 def import_hf(hf_dir, out_run_dir) -> Path:
-    """Write ``out_run_dir``: a run holding the transformers checkpoint ``hf_dir`` as its step-0 checkpoint.
-    run.json records where it came from under "imported"; its data settings are the exported run's when the
+    """Write ``out_run_dir``: a run (kind "imported") holding the transformers checkpoint ``hf_dir`` as its step-0
+    checkpoint; its provenance says where it came from. Its data settings are the exported run's when the
     checkpoint came from ``export_run``, else the default corpus with the imported tokenizer."""
-    from mlx_llm.train.checkpoint import Checkpoints, write_run_files
-    from mlx_llm.train.step import init_state, optimizer_for
-
     out = Path(out_run_dir)
     check_new_dir(out, "run directory")
     model = load_hf(hf_dir)
-    tcfg = _train_config(model.block, model.cfg)
-    info = {"data": _data_spec(model.block, model.tok),
-            "imported": {"from": str(Path(hf_dir).resolve()), "class": model.hf_class,
-                         "exported_from": provenance(model.block).get("run")}}
-    with new_dir(out) as tmp:
-        write_run_files(tmp, model.cfg, tcfg, info)
-        model.tok.save(tmp)
-        state = init_state(model.cfg, tcfg, optimizer_for(tcfg), model.params).replace(
-            step=np.int32(IMPORT_STEP), data_step=np.int32(IMPORT_STEP))
-        ckpts = Checkpoints(tmp)
-        ckpts.save(IMPORT_STEP, state)
-        ckpts.close()
-    return out
+    record = RunRecord(kind="imported", data=_data_spec(model.block, model.tok),
+                       provenance={"imported": {"from": str(Path(hf_dir).resolve()), "class": model.hf_class,
+                                                "exported_from": provenance(model.block).get("run")}})
+    return write_checkpoint_run(out, model.cfg, _train_config(model.block, model.cfg), record, model.tok,
+                                model.params, IMPORT_STEP)

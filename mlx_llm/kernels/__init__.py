@@ -10,17 +10,23 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
-
-from mlx_llm.config import ATTENTION_IMPLS, MOE_IMPLS, JsonConfig
 from mlx_llm.errors import ConfigError
+from mlx_llm.settings import JsonConfig
+
+ATTENTION_IMPLS = ("xla", "flash", "splash", "pallas_gpu", "auto")  # Kernels.attention_impl
+MOE_IMPLS = ("block", "ragged_dot", "megablox", "auto")  # Kernels.moe_impl
 # Which backend each accelerator kernel runs on (interpret mode runs any of them on the CPU, for tests).
 KERNEL_BACKEND = {"splash": "tpu", "pallas_gpu": "gpu", "megablox": "tpu"}
 
 
 def backend_platform(backend: str | None = None) -> str:
-    """"cpu", "gpu" or "tpu" of the default backend (or of ``backend``)."""
-    platform = (backend or jax.default_backend()).lower()
+    """"cpu", "gpu" or "tpu" of the default backend (or of ``backend``). jax is imported here, not at the top:
+    this module (the choice of paths, a config) is imported by the configs, which stay jax-free."""
+    if backend is None:
+        import jax
+
+        backend = jax.default_backend()
+    platform = backend.lower()
     return "gpu" if platform in ("cuda", "rocm", "gpu") else platform
 
 

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from mlx_llm.kernels import Kernels, attention_path
+from mlx_llm.kernels.flash import flash_attention
 from mlx_llm.ops import attention as masked_attention, causal_attention, causal_mask, document_mask
 
 PAD_SEGMENT = -1  # segment id of the positions a kernel's block padding adds
@@ -44,8 +45,6 @@ def attention(q_BTHK, k_BTGK, v_BTGK, segment_ids_BT=None, *, causal: bool = Tru
             mask_BTS = (causal_mask if causal else document_mask)(segment_ids_BT, b, t)
         return (causal_attention if causal else masked_attention)(q_BTHK, k_BTGK, v_BTGK, mask_BTS)
     if impl == "flash":
-        from mlx_llm.kernels.flash import flash_attention
-
         return flash_attention(q_BTHK, k_BTGK, v_BTGK, segment_ids_BT, causal=causal)
     if impl == "splash":
         return _sharded(_splash, q_BTHK, k_BTGK, v_BTGK, segment_ids_BT, causal, kernels.interpret)
@@ -99,8 +98,11 @@ def _splash_kernel(t: int, r: int, causal: bool, block: int, interpret: bool):
     one = sa.CausalMask((t, t)) if causal else sa.FullMask((t, t))
     sizes = dict.fromkeys(("block_q", "block_kv", "block_kv_compute", "block_q_dkv", "block_kv_dkv",
                            "block_kv_dkv_compute", "block_q_dq", "block_kv_dq"), block)
-    return sa.make_splash_mqa_single_device(sa.MultiHeadMask([one] * r), block_sizes=sa.BlockSizes(**sizes),
-                                            interpret=interpret)
+    # The kernel holds its mask metadata as arrays and is cached: build them as constants even when the first call
+    # comes from inside a trace, or a later trace would reuse that trace's values (an escaped tracer).
+    with jax.ensure_compile_time_eval():
+        return sa.make_splash_mqa_single_device(sa.MultiHeadMask([one] * r), block_sizes=sa.BlockSizes(**sizes),
+                                                interpret=interpret)
 
 
 def _splash(q_BTHK, k_BTGK, v_BTGK, segment_ids_BT, *, causal: bool, interpret: bool):

@@ -6,27 +6,18 @@ The branch is Z = H + A(N_γa(H)); the residual carries H, not N(H) (M20 §7).
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 
 from mlx_llm.kernels import attention as kernels
+from mlx_llm.layers import initializers, layout
 from mlx_llm.ops import attention, dense, rms_norm, rope
 
 
 def init(cfg, normal, L: int, dtype) -> dict:
-    """Attention keys for L stacked layers: projections N(0, 1/fan_in); W^O also × 1/√(2·n_layers) because
-    it writes into the residual stream (see ``model``'s docstring)."""
-    d, H, G, K = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_head
-    resid = 1.0 / math.sqrt(2 * cfg.n_layers)
-    return {
-        "attn_norm": jnp.ones((L, d), dtype),
-        "wq": normal((L, d, H, K), 1 / math.sqrt(d)),
-        "wk": normal((L, d, G, K), 1 / math.sqrt(d)),
-        "wv": normal((L, d, G, K), 1 / math.sqrt(d)),
-        "wo": normal((L, H, K, d), resid / math.sqrt(H * K)),
-    }
+    """Attention keys for L stacked layers, as ``layout.ATTN`` declares them: projections N(0, 1/fan_in); W^O
+    also × 1/√(2·n_layers) because it writes into the residual stream (see ``model``'s docstring)."""
+    return initializers.init_table(layout.ATTN, cfg, normal, L, dtype)
 
 
 def attention_qkv(x_BTD, layer, cfg, positions_BT):

@@ -2,23 +2,14 @@
 
 from __future__ import annotations
 
-import math
-
-import jax.numpy as jnp
-
+from mlx_llm.layers import initializers, layout
 from mlx_llm.ops import rms_norm, swiglu
 
 
 def init(cfg, normal, L: int, dtype) -> dict:
-    """SwiGLU keys for L stacked layers: N(0, 1/fan_in); W_down also × 1/√(2·n_layers) (residual writer)."""
-    d, F = cfg.d_model, cfg.d_ff
-    resid = 1.0 / math.sqrt(2 * cfg.n_layers)
-    return {
-        "ffn_norm": jnp.ones((L, d), dtype),
-        "w_gate": normal((L, d, F), 1 / math.sqrt(d)),
-        "w_up": normal((L, d, F), 1 / math.sqrt(d)),
-        "w_down": normal((L, F, d), resid / math.sqrt(F)),
-    }
+    """SwiGLU keys for L stacked layers (``layout.SWIGLU``): N(0, 1/fan_in); W_down also × 1/√(2·n_layers)
+    (residual writer)."""
+    return initializers.init_table(layout.SWIGLU, cfg, normal, L, dtype)
 
 
 def branch(z_BTD, layer, cfg):

@@ -38,10 +38,11 @@ import jax.numpy as jnp
 from mlx_llm.config import SSM_SCANS as SCANS  # ModelConfig.ssm_scan's choices, checked by ``mix``
 from mlx_llm.kernels import backend_platform
 from mlx_llm.kernels.ssm_scan import chunked_scan, resolve_ssm_scan
+from mlx_llm.layers import initializers, layout
 from mlx_llm.ops import dense, rms_norm
 
 DT_MIN, DT_MAX = 1e-3, 1e-1  # Δ at initialisation is log-uniform in [DT_MIN, DT_MAX] (Gu & Dao 2023, §3.6)
-DRAWS = 9  # normal() calls of ``init``: in_x, in_z, conv_w, w_dt, w_B, w_C, dt_proj, dt draw, out_proj
+DRAWS = layout.draws(layout.MAMBA)  # normal() calls of ``init``: 9 (the projections, conv_w and the Δ draw)
 
 
 def _accum_dtype(dtype) -> jnp.dtype:
@@ -50,10 +51,7 @@ def _accum_dtype(dtype) -> jnp.dtype:
 
 def dims(cfg) -> tuple[int, int, int, int, int]:
     """(d, I, N, W, R) of a config-like object: I is ``cfg.ssm_inner`` if it has one, else ssm_expand·d."""
-    inner = getattr(cfg, "ssm_inner", None)
-    if inner is None:
-        inner = cfg.ssm_expand * cfg.d_model
-    return cfg.d_model, inner, cfg.ssm_state, cfg.ssm_conv, cfg.ssm_dt_rank
+    return tuple(layout.dim(name, cfg) for name in ("D", "I", "N", "W", "R"))
 
 
 # ----- initialisation ---------------------------------------------------------------------------------
@@ -74,28 +72,23 @@ def dt_bias_from_normal(z, dtype) -> jax.Array:
     return (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)
 
 
+def _dt_bias_rule(shape, dtype, z):
+    return dt_bias_from_normal(z, dtype)
+
+
+def _a_log_rule(shape, dtype, z):
+    return s4d_real_log_A(*shape, dtype)
+
+
+INIT_RULES = {"dt_bias": _dt_bias_rule, "A_log": _a_log_rule}  # the inits ``layout.MAMBA`` names
+
+
 def init(cfg, normal, L: int, dtype) -> dict:
-    """Mamba keys for L stacked layers, as published: A from S4D-real, D = 1, Δ log-uniform in [1e-3, 1e-1]
-    through ``dt_bias``, conv_b = 0, norm gain 1. Every projection N(0, 1/fan_in) (fan_in = d for in_x/in_z,
-    W for the depthwise conv, I for w_dt/w_B/w_C and out_proj, R for dt_proj); out_proj also × 1/√(2·n_layers)
-    because it writes into the residual stream. Exactly ``DRAWS`` calls of ``normal``."""
-    d, I, N, W, R = dims(cfg)
-    resid = 1.0 / math.sqrt(2 * cfg.n_layers)
-    return {
-        "ssm_norm": jnp.ones((L, d), dtype),
-        "in_x": normal((L, d, I), 1 / math.sqrt(d)),
-        "in_z": normal((L, d, I), 1 / math.sqrt(d)),
-        "conv_w": normal((L, W, I), 1 / math.sqrt(W)),
-        "conv_b": jnp.zeros((L, I), dtype),
-        "w_dt": normal((L, I, R), 1 / math.sqrt(I)),
-        "w_B": normal((L, I, N), 1 / math.sqrt(I)),
-        "w_C": normal((L, I, N), 1 / math.sqrt(I)),
-        "dt_proj": normal((L, R, I), 1 / math.sqrt(R)),
-        "dt_bias": dt_bias_from_normal(normal((L, I), 1.0), dtype),
-        "A_log": s4d_real_log_A(L, I, N, dtype),
-        "D": jnp.ones((L, I), dtype),
-        "out_proj": normal((L, I, d), resid / math.sqrt(I)),
-    }
+    """Mamba keys for L stacked layers (``layout.MAMBA``), as published: A from S4D-real, D = 1, Δ log-uniform
+    in [1e-3, 1e-1] through ``dt_bias``, conv_b = 0, norm gain 1. Every projection N(0, 1/fan_in) (fan_in = d
+    for in_x/in_z, W for the depthwise conv, I for w_dt/w_B/w_C and out_proj, R for dt_proj); out_proj also
+    × 1/√(2·n_layers) because it writes into the residual stream. Exactly ``DRAWS`` calls of ``normal``."""
+    return initializers.init_table(layout.MAMBA, cfg, normal, L, dtype, INIT_RULES)
 
 
 # ----- the scans ----------------------------------------------------------------------------------------

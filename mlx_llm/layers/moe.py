@@ -23,8 +23,6 @@ matrix product). ``branch`` takes the execution path as ``impl`` (DESIGN §6; "a
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,6 +30,7 @@ import numpy as np
 from mlx_llm.errors import ConfigError, InputError
 from mlx_llm.kernels import MOE_IMPLS as _ALL_MOE_IMPLS
 from mlx_llm.kernels.gmm import grouped_expert_ffn, on_token_shards
+from mlx_llm.layers import initializers, layout
 from mlx_llm.ops import dense, rms_norm, swiglu
 
 MOE_IMPLS = tuple(i for i in _ALL_MOE_IMPLS if i != "auto")  # what ``branch`` runs ("auto" is resolved before)
@@ -47,22 +46,10 @@ def block_size(rows: int, n_experts: int) -> int:
 
 
 def init(cfg, normal, L: int, dtype) -> dict:
-    """MoE keys for L stacked layers. Router N(0, 1/d); experts like the dense SwiGLU (N(0, 1/fan_in), the
-    down projections × 1/√(2·n_layers)); offsets start at 0."""
-    d, X, S, m = cfg.d_model, cfg.n_experts, cfg.n_shared_experts, cfg.moe_d_ff
-    resid = 1.0 / math.sqrt(2 * cfg.n_layers)
-    keys = {
-        "ffn_norm": jnp.ones((L, d), dtype),
-        "router": normal((L, d, X), 1 / math.sqrt(d)),
-        "router_offset": jnp.zeros((L, X), dtype),
-        "expert_gate": normal((L, X, d, m), 1 / math.sqrt(d)),
-        "expert_up": normal((L, X, d, m), 1 / math.sqrt(d)),
-        "expert_down": normal((L, X, m, d), resid / math.sqrt(m)),
-    }
-    shared = {"shared_gate": normal((L, S, d, m), 1 / math.sqrt(d)),
-              "shared_up": normal((L, S, d, m), 1 / math.sqrt(d)),
-              "shared_down": normal((L, S, m, d), resid / math.sqrt(m))}
-    return {**keys, **shared} if S else keys
+    """MoE keys for L stacked layers (``layout.MOE``). Router N(0, 1/d); experts like the dense SwiGLU
+    (N(0, 1/fan_in), the down projections × 1/√(2·n_layers)); offsets start at 0. The shared experts' three
+    draws are taken even when S = 0 (empty arrays, left out), so the key stream does not depend on S."""
+    return initializers.init_table(layout.MOE, cfg, normal, L, dtype)
 
 
 # ----- the router (M20 §15, U19 §3) ------------------------------------------------------------------

@@ -1,37 +1,38 @@
-"""The loop the preference objectives share (reward model, DPO, KL-leashed RL): one jitted update of any loss
-over a trainable tree beside a frozen one, with the run directory, checkpoints, exact resume, metrics and
-progress of ``train``.
+"""What the fine-tuning runs share (SFT, reward model, DPO, KL-leashed RL): the base run they start from, their run
+record and resume, and — for the preference objectives — their update compiled on the mesh and run by the one
+training loop (``train.loop.fit``; SFT runs the language-model step of ``train.run.train_loop``).
 
-A post-training run starts from a base run (pretrained or SFT) and records it in ``run.json`` under ``"post"``:
-``{"kind", "base", "base_step", "lora", "template", ...}``. Its checkpoints hold a ``TrainState`` whose params are
-the trainable tree (full parameters, LoRA adapters, or those with a reward head). Batches are a function of
-(seed, step, trainable parameters), so a resumed run replays exactly what the uninterrupted one would have,
-RL's on-policy samples included.
+A post-training run starts from a base run (pretrained or SFT) and records it in its run record
+(``runs.record``: kind, base run and step, LoRA, template, the kind's settings). Its checkpoints hold a
+``TrainState`` whose params are the trainable tree (full parameters, LoRA adapters, or those with a reward head).
+Batches are a function of (seed, step, trainable parameters), so a resumed run replays exactly what the
+uninterrupted one would have, RL's on-policy samples included.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-import time
 from pathlib import Path
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from mlx_llm.config import ModelConfig, TrainConfig
 from mlx_llm.errors import CheckpointError, ConfigError
 from mlx_llm.post import lora as lora_lib
 from mlx_llm.post.chat import ChatTemplate
 from mlx_llm.train import tokenizer as tok_lib
-from mlx_llm.train.checkpoint import Checkpoints, abstract_like, read_run_files, write_run_files
-from mlx_llm.train.metrics import METRICS_FILE, TrainingDiverged, append_metrics, progress_bar, truncate_metrics
-from mlx_llm.train.step import TrainState, init_state, optimizer_for, schedule_for
-
-LossFn = Callable[[Any, Any, dict], tuple[jax.Array, dict]]
+from mlx_llm.runs.load import load_params
+from mlx_llm.runs.record import BaseRef, RunRecord, open_run, write_run
+from mlx_llm.runs.resume import ResumePlan, record_resume, resume_plan
+from mlx_llm.train.checkpoint import check_run_dir
+from mlx_llm.train.loop import Job, fit
+from mlx_llm.train.parallel import (batch_sharding, check_batch_divisible, make_mesh, replicated, shard_tree,
+                                    tree_shardings)
+from mlx_llm.train.preflight import check_compiled_fits
+from mlx_llm.train.step import init_state, make_update, on_mesh, optimizer_for, place_state
 
 
 @dataclasses.dataclass
@@ -45,20 +46,27 @@ class Base:
     step: int
     tok: Any
     template: ChatTemplate
+    data: Any = None  # the base's corpus settings (DataSpec), which a fine-tuning run keeps
 
 
-def run_template(info: dict) -> ChatTemplate:
-    record = info.get("sft") or info.get("post")
-    return ChatTemplate.from_dict(record["template"]) if record else ChatTemplate()
+def run_template(record) -> ChatTemplate:
+    """The chat template a run records (its base's, for a fine-tuning run); the default one otherwise."""
+    return ChatTemplate.from_dict(record.template) if record.template else ChatTemplate()
 
 
 def load_base(run) -> Base:
-    """A pretrained or fine-tuned (SFT, DPO, RL) next-token run's latest parameters, tokenizer and template."""
-    from mlx_llm.post.sft import load_base as load_ar
-
-    cfg, tcfg, params, step = load_ar(run)
-    info = read_run_files(Path(run))[2]
-    return Base(Path(run), cfg, tcfg, params, step, tok_lib.load(run), run_template(info))
+    """A next-token language-model run's latest parameters, tokenizer and template: the start of a fine-tuning
+    or preference run (pretrained, SFT, DPO, RL, merged or imported)."""
+    run = open_run(run)
+    run.require_language_model("fine-tuning")
+    if run.tcfg.objective != "ar":
+        raise ConfigError(f"{run.path} was trained with objective {run.tcfg.objective!r}: chat fine-tuning starts "
+                          f"from a next-token (ar) run")
+    step = run.latest_step()
+    if step is None:
+        raise CheckpointError(f"{run.path} has no checkpoint to fine-tune")
+    return Base(run.path, run.cfg, run.tcfg, load_params(run, step), step, tok_lib.load(run.path),
+                run_template(run.record), run.record.data)
 
 
 def check_same_model(base: Base, other: Base, role: str) -> None:
@@ -79,26 +87,38 @@ def check_beta(beta) -> float:
     return float(beta)
 
 
-def post_record(kind: str, base: Base, lora_cfg, **extra) -> dict:
-    return {"post": {"kind": kind, "base": str(base.run.resolve()), "base_step": base.step,
-                     "lora": None if lora_cfg is None else dataclasses.asdict(lora_cfg),
-                     "template": base.template.to_dict(), **extra},
-            "data": read_run_files(base.run)[2].get("data")}
+def post_record(kind: str, base: Base, lora_cfg, settings) -> RunRecord:
+    """The record of a fine-tuning run of ``kind`` from ``base``: it keeps the base's corpus settings."""
+    return RunRecord(kind=kind, data=base.data, base=BaseRef(str(base.run.resolve()), base.step), lora=lora_cfg,
+                     template=base.template.to_dict(), settings=settings)
 
 
-def lora_from_record(rec: dict):
-    return None if rec["lora"] is None else lora_lib.LoRAConfig(**{**rec["lora"], "targets": tuple(rec["lora"]["targets"])})
+def resume_of(run_dir: Path, resume: bool, changes: dict | None = None, from_step: int | None = None) -> tuple:
+    """Check a fine-tuning run's directory before any work (``checkpoint.check_run_dir``); for a resume, also
+    (run, train config with ``changes``, ``ResumePlan``) of ``runs.resume.resume_plan``, else (None, None, None)."""
+    check_run_dir(run_dir, resume)
+    if not resume:
+        if from_step is not None or changes:
+            raise ConfigError(f"--from-step and changed settings ({sorted(changes or ())}) apply to a resumed run: "
+                              f"they need --resume")
+        return None, None, None
+    return resume_plan(run_dir, changes, from_step)
 
 
-def start_run(run_dir: Path, base: Base, tcfg: TrainConfig, record: dict, resume: bool) -> None:
-    """Write the run files (a new run) or check the base has not moved since the run began (resume)."""
-    if resume:
-        started = read_run_files(run_dir)[2]["post"]["base_step"]
-        if started != base.step:
-            raise CheckpointError(f"{base.run} now ends at checkpoint {base.step}, not {started} as when this run "
-                                  f"started: its base changed")
+def check_base_unchanged(run, base: Base) -> None:
+    """A resumed fine-tuning run continues from the base checkpoint it started from."""
+    if run.record.base.step != base.step:
+        raise CheckpointError(f"{base.run} now ends at checkpoint {base.step}, not {run.record.base.step} as when "
+                              f"this run started: its base changed")
+
+
+def start_run(run_dir: Path, base: Base, tcfg: TrainConfig, record: RunRecord, plan: ResumePlan | None) -> None:
+    """Under the run's lock: write the run files (a new run, ``plan`` None), or check the base again (a resume:
+    ``post_fit`` records what it changed once its checkpoint is restored)."""
+    if plan is not None:
+        check_base_unchanged(open_run(run_dir), base)
         return
-    write_run_files(run_dir, base.cfg, tcfg, record)
+    write_run(run_dir, base.cfg, tcfg, record)
     base.tok.save(run_dir)
 
 
@@ -117,81 +137,48 @@ def initial_trainable(base: Base, lora_cfg, seed: int):
     return lora_lib.init(base.params, lora_cfg, jax.random.key(seed))
 
 
-@functools.lru_cache(maxsize=16)
-def make_update(loss_fn: LossFn, tcfg: TrainConfig) -> Callable:
-    """(state, frozen, batch) → (state, metrics): ∇ of ``loss_fn`` w.r.t. the trainable tree, clipped AdamW."""
-    optimizer, schedule = optimizer_for(tcfg), schedule_for(tcfg)
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-
-    def update(state: TrainState, frozen, batch):
-        (loss, aux), grads = grad_fn(state.params, frozen, batch)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step), **aux}
-        new = state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
-                            opt_state=opt_state, data_step=state.data_step + 1)
-        return new, metrics
-
-    return jax.jit(update, donate_argnums=0)
-
-
-def compiled_update(cfg: ModelConfig, tcfg: TrainConfig, loss_fn: LossFn, trainable, frozen, example_batch):
-    """``make_update``'s update compiled ahead of time for the run's shapes (``example_batch``: one batch as
-    ``batch_fn`` returns it) and checked against the local devices' memory (train/preflight.py), before the run
-    directory is created: a step that cannot fit is refused in one line. ``post_loop`` then runs this executable,
-    so the check costs no second compile."""
-    from mlx_llm.train.preflight import check_compiled_fits
-
-    def shapes(tree):
-        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.asarray(a).dtype), tree)
-
+def compiled_update(cfg: ModelConfig, tcfg: TrainConfig, objective: Callable, trainable, frozen, example_batch, *,
+                    offsets: Callable | None = None, count_name: str = "pairs"):
+    """The run's update (``train.step.make_update`` of ``objective``) jitted on the mesh of ``tcfg.mesh`` (state
+    and frozen trees sharded by ``parallel.param_spec``, the batch split over the batch axes, the state donated),
+    compiled ahead of time for the run's shapes (``example_batch``: one batch as the batch source returns it) and
+    checked against the devices' memory (train/preflight.py) before the run directory is created: a step that
+    cannot fit is refused in one line. ``post_fit`` then runs this executable (one compile)."""
+    mesh = make_mesh(tcfg.mesh)
+    rows = jax.tree.leaves(example_batch)[0].shape[0]  # pairs, or RL's prompts × replies
+    check_batch_divisible(rows, tcfg.grad_accum, mesh)
     state = jax.eval_shape(lambda: init_state(cfg, tcfg, optimizer_for(tcfg), trainable))
-    compiled = make_update(loss_fn, tcfg).lower(state, shapes(frozen), shapes(example_batch)).compile()
+    state_sh, frozen_sh, batch_sh = tree_shardings(state, mesh), tree_shardings(frozen, mesh), batch_sharding(mesh)
+    update = on_mesh(make_update(objective, tcfg, optimizer_for(tcfg), offsets=offsets, count_name=count_name), mesh)
+    jitted = jax.jit(update, in_shardings=(state_sh, batch_sh, frozen_sh), out_shardings=(state_sh, replicated(mesh)),
+                     donate_argnums=0)
+
+    def placed(tree, shardings):  # arrays, numpy arrays and ShapeDtypeStructs all have .shape and .dtype
+        return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), tree, shardings)
+
+    batch = placed(example_batch, jax.tree.map(lambda _: batch_sh, example_batch))
+    compiled = jitted.lower(placed(state, state_sh), batch, placed(frozen, frozen_sh)).compile()
     check_compiled_fits(compiled, "update")
     return compiled
 
 
-def post_loop(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, trainable, frozen, update: Callable,
-              batch_fn: Callable, *, evaluate: Callable | None = None, resume: bool, show_progress: bool,
-              max_seconds: float | None = None, log=print) -> dict:
-    """Train ``trainable`` for ``tcfg.steps`` calls of ``update`` (``compiled_update``); ``batch_fn(step, trainable)
-    → (batch, host metrics)``. Every step's metrics go to metrics.jsonl (a non-finite loss stops the run before any checkpoint
-    of it); ``evaluate(trainable) → dict`` runs every ``eval_interval`` steps and at the end. ``max_seconds``
-    ends the run early (checkpoint and evaluation included) after the step that reaches that much loop time:
-    equal-time comparisons."""
-    state = init_state(cfg, tcfg, optimizer_for(tcfg), trainable)
-    ckpts = Checkpoints(run_dir, keep=tcfg.keep_checkpoints)
-    metrics_path = run_dir / METRICS_FILE
-    if resume and ckpts.latest_step() is not None:
-        state = ckpts.restore(abstract_like(state))
-        log(f"resumed {run_dir} from step {int(state.step)}")
-    truncate_metrics(metrics_path, int(state.step))
-    start = int(state.step)
-    bar = progress_bar(show_progress, start, tcfg.steps)
-    last, result, t0 = {}, {}, time.perf_counter()
-    for s in range(start, tcfg.steps):
-        batch, host = batch_fn(s, state.params)
-        state, m = update(state, frozen, jax.tree.map(jnp.asarray, batch))
-        row = {"step": s + 1, **{k: float(v) for k, v in jax.device_get(m).items()}, **host}
-        if not all(math.isfinite(v) for v in row.values() if isinstance(v, float)):
-            raise TrainingDiverged(f"step {s + 1}: a metric is not finite ({row}); the last checkpoint is "
-                                   f"{ckpts.latest_step()}")
-        rows, last = [row], row
-        done = s + 1
-        final = done == tcfg.steps or (max_seconds is not None and time.perf_counter() - t0 >= max_seconds)
-        if evaluate is not None and (done % tcfg.eval_interval == 0 or final):
-            result = evaluate(state.params)
-            rows.append({"step": done, **result})
-            bar.write(f"step {done}: " + ", ".join(f"{k} {v:.4g}" for k, v in result.items()))
-        append_metrics(metrics_path, rows)
-        bar.set_postfix(loss=f"{row['loss']:.3f}")
-        bar.update(1)
-        if done % tcfg.checkpoint_interval == 0 or final:
-            ckpts.save(done, state)
-        if final:
-            break
-    bar.close()
-    ckpts.close()
-    if evaluate is not None and not result:
-        result = evaluate(state.params)
-    return {"state": state, "last": last, "eval": result, "wall_seconds": time.perf_counter() - t0,
-            "steps": int(state.step)}
+def post_fit(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, trainable, frozen, update: Callable,
+             batch_fn: Callable, evaluate: Callable, *, plan: ResumePlan | None, show_progress: bool,
+             max_seconds: float | None = None, log=print, on_policy: bool = False) -> dict:
+    """A preference run's ``train.loop.fit``: ``update`` from ``compiled_update``; ``batch_fn(step, trainable) →
+    (host batch, host metrics)``; ``evaluate(trainable) → dict``. ``on_policy``: the batch source samples from
+    the current parameters (RL), so each step's metrics are read back with its batch. ``plan``: the resume's
+    (None: a new run). Returns ``fit``'s dict."""
+    mesh = make_mesh(tcfg.mesh)
+    state = place_state(init_state(cfg, tcfg, optimizer_for(tcfg), trainable), mesh)
+    frozen = shard_tree(frozen, mesh)
+    batch_sh = batch_sharding(mesh)
+
+    def batches(step, state):
+        batch, host = batch_fn(step, state.params)
+        return jax.device_put(batch, batch_sh), host
+
+    job = Job(update, batches, lambda state: evaluate(state.params), frozen=frozen, readback_every_step=on_policy)
+    return fit(run_dir, cfg, tcfg, job, state, resume=plan is not None, show_progress=show_progress, log=log,
+               max_seconds=max_seconds, from_step=plan.step if plan is not None and plan.from_step else None,
+               on_restored=None if plan is None else lambda: record_resume(run_dir, tcfg, plan))

@@ -17,7 +17,6 @@ adapted as their (d_in, ∏ out) matrix; ``wo`` (h, d_h, d) as its (h·d_h, d) m
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
@@ -25,35 +24,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from mlx_llm.errors import ConfigError
+from mlx_llm.layers import layout
+from mlx_llm.runs.configs import DEFAULT_TARGETS, LoRAConfig  # noqa: F401 (re-exported: the adapters' config)
 
-# target → number of leading (input) axes of the per-layer weight; the rest are output axes
-TARGETS = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1,
-           "in_x": 1, "in_z": 1, "out_proj": 1}
-DEFAULT_TARGETS = ("wq", "wv")  # U19 §10's rule of thumb: query and value
-
-
-@dataclasses.dataclass(frozen=True)
-class LoRAConfig:
-    """Rank r, scale α (the update is (α/r)·A·B) and the target keys."""
-
-    rank: int = 8
-    alpha: float = 16.0
-    targets: tuple[str, ...] = DEFAULT_TARGETS
-
-    def __post_init__(self) -> None:
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
-            raise ConfigError(f"LoRA rank = {self.rank!r} is invalid: it must be a positive integer")
-        if not isinstance(self.alpha, (int, float)) or not math.isfinite(self.alpha) or self.alpha <= 0:
-            raise ConfigError(f"LoRA alpha = {self.alpha!r} is invalid: it must be a positive number")
-        targets = tuple(self.targets)
-        bad = [t for t in targets if t not in TARGETS]
-        if bad or not targets or len(set(targets)) != len(targets):
-            raise ConfigError(f"LoRA targets {list(targets)!r} are invalid: choose distinct keys among {list(TARGETS)}")
-        object.__setattr__(self, "targets", targets)
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.rank
+# target → number of leading (input) axes of the per-layer weight; the rest are output axes (the ``lora_in``
+# of each declaration in ``layers.layout``: wq wk wv wo, w_gate w_up w_down, in_x in_z out_proj)
+TARGETS = layout.lora_targets()
 
 
 def _groups(blocks):

@@ -28,7 +28,8 @@ from mlx_llm.errors import ConfigError, DataError, InputError
 from mlx_llm.model import check_tokens, hidden_states, nll_from_hidden, resolved
 from mlx_llm.post import tasks as tasks_lib
 from mlx_llm.post.chat import ChatTemplate, check_messages, jsonl_records
-from mlx_llm.train.data import epoch_order, val_score
+from mlx_llm.post.sft import REPLY_TOKENS, sample_replies
+from mlx_llm.train.data import epoch_order, first_until, val_score
 
 VAL_PERCENT = 5.0  # share of a pair file held out, by a stable hash of the pair's text
 SIDES = ("chosen", "rejected")
@@ -119,8 +120,6 @@ def task_pairs(task: str, split: str, *, n: int | None = None, seed: int = 0, po
     names = sorted({e["answer"] for e in examples}) if task == "name_function" else None
     pairs = [_pair(e, corruption(task, e["answer"], rng, names)) for e in examples]
     if policy is not None:
-        from mlx_llm.post.sft import REPLY_TOKENS, sample_replies
-
         params, cfg, tok, template = policy
         prompts = [tasks_lib.prompt_messages(e) for e in examples]
         n_new = max_new_tokens or REPLY_TOKENS[task]
@@ -158,16 +157,19 @@ def concat_sequences(a: dict, b: dict) -> dict:
     return jax.tree.map(lambda x, y: jnp.concatenate([x, y]), a, b)
 
 
-def response_logprobs(params, cfg: ModelConfig, seqs, kernels=None) -> jax.Array:
+def response_logprobs(params, cfg: ModelConfig, seqs, kernels=None, *, remat: str = "none",
+                      return_aux: bool = False):
     """ℓ(y | c) = Σ_{t ∈ reply} log p(x_t | x_<t) per sequence, (B,): the **sum** over the reply's tokens (M20 §16:
     a length-normalised mean would be a different objective); prompt and padding count nothing. ``kernels``: the
-    execution paths (default the reference ones), the loss chunked as ``kernels.loss_chunk`` says."""
+    execution paths (default the reference ones), the loss chunked as ``kernels.loss_chunk`` says; ``remat``:
+    model.run_stack; with ``return_aux``, also the forward's MoE expert loads (the offsets' control rule)."""
     kernels = resolved(kernels)
     ids = jnp.asarray(seqs["ids"])
     check_tokens(ids[:, :-1], cfg, "ids")
-    h_BTD = hidden_states(params, ids[:, :-1], cfg, kernels=kernels)
+    h_BTD, load = hidden_states(params, ids[:, :-1], cfg, kernels=kernels, remat=remat, return_aux=True)
     nll_BT = nll_from_hidden(h_BTD, ids[:, 1:], params, cfg, kernels.loss_chunk)
-    return -jnp.sum(jnp.asarray(seqs["target"][:, 1:]).astype(nll_BT.dtype) * nll_BT, axis=-1)
+    lp_B = -jnp.sum(jnp.asarray(seqs["target"][:, 1:]).astype(nll_BT.dtype) * nll_BT, axis=-1)
+    return (lp_B, load) if return_aux else lp_B
 
 
 @dataclasses.dataclass
@@ -197,11 +199,14 @@ class PairData:
     def train_batch(self, step: int, batch_size: int, seed: int) -> dict:
         return self._batch([self.train[i] for i in epoch_order(step, batch_size, len(self.train), seed)])
 
-    def val_batches(self, batch_size: int) -> list[tuple[dict, int]]:
-        """Held-out batches of ``batch_size`` pairs (the last filled with repeats) and how many are real."""
+    def val_batches(self, batch_size: int, max_tokens: int | None = None) -> list[tuple[dict, int]]:
+        """Held-out batches of ``batch_size`` pairs (the last filled with repeats) and how many are real;
+        ``max_tokens`` (``--eval-tokens``): only the first pairs whose reply tokens (both sides) reach that many."""
+        val = self.val if max_tokens is None else first_until(
+            self.val, lambda p: int(np.sum(p[0][1]) + np.sum(p[1][1])), max_tokens)
         out = []
-        for i in range(0, len(self.val), batch_size):
-            chunk = self.val[i:i + batch_size]
+        for i in range(0, len(val), batch_size):
+            chunk = val[i:i + batch_size]
             out.append((self._batch(chunk + [chunk[0]] * (batch_size - len(chunk))), len(chunk)))
         return out
 

@@ -30,8 +30,13 @@ from mlx_llm.post import lora as lora_lib
 from mlx_llm.post import pairs as pairs_lib
 from mlx_llm.post.chat import ChatTemplate
 from mlx_llm.train import tokenizer as tok_lib
-from mlx_llm.train.checkpoint import read_run_files
+from mlx_llm.runs.configs import RewardConfig
+from mlx_llm.runs.load import base_params, restore_params
+from mlx_llm.runs.record import open_run
+from mlx_llm.runs.resume import schedule_config
+from mlx_llm.train.checkpoint import locked_run_dir
 from mlx_llm.train.metrics import write_summary
+from mlx_llm.train.step import moe_offsets
 
 
 # ----- the equations ------------------------------------------------------------------------------------------
@@ -52,42 +57,52 @@ def bt_grads(r_chosen, r_rejected):
 
 
 # ----- in a model ---------------------------------------------------------------------------------------------
-def sequence_rewards(params, head_D, cfg: ModelConfig, seqs, kernels=None) -> jax.Array:
-    """r = w · R at each sequence's last id (``length`` − 1), shape (B,); ``kernels``: the execution paths."""
+def sequence_rewards(params, head_D, cfg: ModelConfig, seqs, kernels=None, *, remat: str = "none",
+                     return_aux: bool = False):
+    """r = w · R at each sequence's last id (``length`` − 1), shape (B,); ``kernels``: the execution paths; with
+    ``return_aux``, also the trunk's MoE expert loads."""
     ids = seqs["ids"]
-    r_BTD = rms_norm(hidden_states(params, ids, cfg, kernels=kernels), params["final_norm"], cfg.norm_eps)
+    h_BTD, load = hidden_states(params, ids, cfg, kernels=kernels, remat=remat, return_aux=True)
+    r_BTD = rms_norm(h_BTD, params["final_norm"], cfg.norm_eps)
     last_BD = jnp.take_along_axis(r_BTD, (seqs["length"] - 1)[:, None, None].astype(jnp.int32), axis=1)[:, 0]
     acc = jnp.promote_types(last_BD.dtype, jnp.float32)  # rewards leave in ≥ float32, like logits
-    return jnp.einsum("bd,d->b", last_BD.astype(acc), head_D.astype(acc))
+    r_B = jnp.einsum("bd,d->b", last_BD.astype(acc), head_D.astype(acc))
+    return (r_B, load) if return_aux else r_B
 
 
-def pair_rewards(params, head_D, cfg, batch, kernels=None):
+def pair_rewards(params, head_D, cfg, batch, kernels=None, *, remat: str = "none"):
+    """((r⁺, r⁻), expert loads) of a pair batch, both sides in one forward pass."""
     both = pairs_lib.concat_sequences(batch["chosen"], batch["rejected"])
-    r = sequence_rewards(params, head_D, cfg, both, kernels)
+    r, load = sequence_rewards(params, head_D, cfg, both, kernels, remat=remat, return_aux=True)
     n = batch["chosen"]["ids"].shape[0]
-    return r[:n], r[n:]
+    return (r[:n], r[n:]), load
 
 
 @functools.lru_cache(maxsize=16)  # one function per setting: its jitted update compiles once
-def make_loss(cfg: ModelConfig, lora_cfg, kernels=None):
-    def loss_fn(trainable, frozen, batch):
+def make_objective(cfg: ModelConfig, lora_cfg, kernels=None, remat: str = "none"):
+    """(trainable, frozen, pair batch, key) → (Σ Bradley–Terry loss, (pairs, expert loads, {accuracy,
+    reward_gap} summed)): ``train.step.make_update``'s form; trainable = {"model", "reward_head"}."""
+
+    def objective(trainable, frozen, batch, key):
         params = loop.policy_params(trainable["model"], frozen, lora_cfg)
-        r_c, r_r = pair_rewards(params, trainable["reward_head"], cfg, batch, kernels)
-        return jnp.mean(bt_loss(r_c, r_r)), {"accuracy": jnp.mean((r_c > r_r).astype(r_c.dtype)),
-                                             "reward_gap": jnp.mean(r_c - r_r)}
+        (r_c, r_r), load = pair_rewards(params, trainable["reward_head"], cfg, batch, kernels, remat=remat)
+        n = jnp.asarray(r_c.shape[0], jnp.float32)
+        return jnp.sum(bt_loss(r_c, r_r)), (n, load, {"accuracy": jnp.sum((r_c > r_r).astype(r_c.dtype)),
+                                                      "reward_gap": jnp.sum(r_c - r_r)})
 
-    return loss_fn
+    return objective
 
 
-def make_eval(cfg, lora_cfg, frozen, data: pairs_lib.PairData, batch_size: int):
-    """Held-out pairs: mean Bradley–Terry loss and preference accuracy (r⁺ > r⁻)."""
-    loss_fn = jax.jit(make_loss(cfg, lora_cfg))
+def make_eval(cfg, lora_cfg, frozen, data: pairs_lib.PairData, batch_size: int, max_tokens: int | None = None):
+    """Held-out pairs (``max_tokens``: see ``PairData.val_batches``): mean Bradley–Terry loss and preference
+    accuracy (r⁺ > r⁻)."""
+    objective = jax.jit(make_objective(cfg, lora_cfg))
 
     def evaluate(trainable) -> dict:
         totals, n_all = np.zeros(2), 0
-        for batch, n in data.val_batches(batch_size):
-            loss, aux = loss_fn(trainable, frozen, jax.tree.map(lambda a: jnp.asarray(a[:n]), batch))
-            totals += n * np.array([float(loss), float(aux["accuracy"])])
+        for batch, n in data.val_batches(batch_size, max_tokens):
+            loss, (_, _, sums) = objective(trainable, frozen, jax.tree.map(lambda a: jnp.asarray(a[:n]), batch), None)
+            totals += np.array([float(loss), float(sums["accuracy"])])
             n_all += n
         loss, acc = totals / n_all
         return {"val_loss": loss, "val_accuracy": acc}
@@ -96,43 +111,43 @@ def make_eval(cfg, lora_cfg, frozen, data: pairs_lib.PairData, batch_size: int):
 
 
 # ----- runs ---------------------------------------------------------------------------------------------------
-def reward_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, data=None, task=None,
-               lora_cfg: lora_lib.LoRAConfig | None = None, n_train: int | None = None,
-               model_negatives: bool = False, resume: bool = False, show_progress: bool = True,
-               max_seconds: float | None = None, log=print) -> dict:
-    """Train a reward model from ``base_run`` on the pairs of ``data`` or ``task`` (``model_negatives``: add the
-    base's own wrong samples as rejected replies); prints and returns held-out preference accuracy."""
-    from mlx_llm.train.run import check_run_dir, locked_run_dir
-
+def reward_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, settings: RewardConfig | None = None,
+               lora_cfg: lora_lib.LoRAConfig | None = None, resume: bool = False, changes: dict | None = None,
+               from_step: int | None = None, show_progress: bool = True, max_seconds: float | None = None,
+               log=print) -> dict:
+    """Train a reward model from ``base_run`` on the pairs of ``settings`` (a data file or a task; with
+    ``model_negatives`` the base's own wrong samples are rejected replies); returns held-out preference
+    accuracy. On resume everything is read back from the run (``changes``, ``from_step``: ``loop.resume_of``)."""
     run_dir = Path(run_dir)
-    check_run_dir(run_dir, resume)
-    if resume:
-        _, tcfg, info = read_run_files(run_dir)
-        rec = info["post"]
-        base_run, data, task, n_train, model_negatives = (rec["base"], rec["data"], rec["task"], rec["n_train"],
-                                                          rec["model_negatives"])
-        lora_cfg = loop.lora_from_record(rec)
+    run, resumed, plan = loop.resume_of(run_dir, resume, changes, from_step)
+    if run is not None:
+        tcfg, settings, lora_cfg, base_run = resumed, run.record.settings, run.record.lora, run.record.base.run
+    s = settings
     base = loop.load_base(base_run)
+    if run is not None:
+        loop.check_base_unchanged(run, base)
     if tcfg.seq_len > base.cfg.max_seq_len:
         raise ConfigError(f"seq_len = {tcfg.seq_len} is longer than the base model's max_seq_len = "
                           f"{base.cfg.max_seq_len}")
-    data_ = pairs_lib.load_pairs(base, tcfg, data=data, task=task, n_train=n_train, model_negatives=model_negatives)
-    record = loop.post_record("reward", base, lora_cfg, task=task, n_train=n_train, model_negatives=model_negatives,
-                              data=None if data is None else str(Path(data).resolve()))
+    data_ = pairs_lib.load_pairs(base, tcfg, data=s.data, task=s.task, n_train=s.n_train,
+                                 model_negatives=s.model_negatives)
+    record = loop.post_record("reward", base, lora_cfg, settings)
     trainable = {"model": loop.initial_trainable(base, lora_cfg, tcfg.seed),
                  "reward_head": jnp.zeros((base.cfg.d_model,), jnp.float32)}
     frozen = {"base": base.params} if lora_cfg is not None else {}
     batch_fn = lambda s, _: (data_.train_batch(s, tcfg.batch_size, tcfg.seed), {})  # noqa: E731
-    update = loop.compiled_update(base.cfg, tcfg, make_loss(base.cfg, lora_cfg, tcfg.kernels(resolve=True)),
-                                  trainable, frozen, batch_fn(0, None)[0])
+    objective = make_objective(base.cfg, lora_cfg, tcfg.kernels(resolve=True), tcfg.remat)
+    update = loop.compiled_update(base.cfg, schedule_config(tcfg, plan and plan.schedule_steps), objective,
+                                  trainable, frozen, batch_fn(0, None)[0],
+                                  offsets=None if lora_cfg else moe_offsets(base.cfg, ("model",)))
     with locked_run_dir(run_dir, resume):  # held to the end of the run
-        loop.start_run(run_dir, base, tcfg, record, resume)
+        loop.start_run(run_dir, base, tcfg, record, plan)
         log(f"reward model from {base.run} (step {base.step}): {len(data_.train):,} train pairs, {len(data_.val):,} "
             f"held out; {'LoRA' if lora_cfg else 'full'}")
-        out = loop.post_loop(run_dir, base.cfg, tcfg, trainable, frozen, update, batch_fn,
-                             evaluate=make_eval(base.cfg, lora_cfg, frozen, data_, tcfg.batch_size),
-                             resume=resume, show_progress=show_progress, max_seconds=max_seconds, log=log)
-        return write_summary(run_dir, {"steps": out["steps"], "wall_seconds": out["wall_seconds"], **out["eval"]})
+        out = loop.post_fit(run_dir, base.cfg, tcfg, trainable, frozen, update, batch_fn,
+                            make_eval(base.cfg, lora_cfg, frozen, data_, tcfg.batch_size, tcfg.eval_tokens or None),
+                            plan=plan, show_progress=show_progress, max_seconds=max_seconds, log=log)
+        return write_summary(run_dir, out["summary"])
 
 
 @dataclasses.dataclass
@@ -158,18 +173,14 @@ def _score(params, head, seqs, *, cfg):
 
 def load_reward_model(run_dir, step: int | None = None) -> RewardModel:
     """A trained reward run: trunk (with its adapters folded in), head, tokenizer and template."""
-    from mlx_llm.train.run import load_params, restore_params
-
-    run_dir = Path(run_dir)
-    cfg, tcfg, info = read_run_files(run_dir)
-    rec = info.get("post") or {}
-    if rec.get("kind") != "reward":
-        raise ConfigError(f"{run_dir} is not a reward model run (mlx-llm reward --out DIR)")
-    base_cfg, base_tcfg, _ = read_run_files(Path(rec["base"]))
-    base = load_params(Path(rec["base"]), base_cfg, base_tcfg, rec["base_step"])
-    lora_cfg = loop.lora_from_record(rec)
+    run = open_run(run_dir)
+    if run.kind != "reward":
+        raise ConfigError(f"{run.path} is not a reward model run (mlx-llm reward --out DIR); it is a {run.kind} run")
+    base = base_params(run)
+    lora_cfg = run.record.lora
     model_like = base if lora_cfg is None else lora_lib.init(base, lora_cfg, jax.random.key(0))
-    like = {"model": model_like, "reward_head": jnp.zeros((cfg.d_model,), jnp.float32)}
-    trained = restore_params(run_dir, cfg, tcfg, step, like=like)
+    like = {"model": model_like, "reward_head": jnp.zeros((run.cfg.d_model,), jnp.float32)}
+    trained = restore_params(run, step, like=like)
     params = trained["model"] if lora_cfg is None else lora_lib.merge(base, trained["model"], lora_cfg)
-    return RewardModel(cfg, params, trained["reward_head"], tok_lib.load(run_dir), loop.run_template(info), run_dir)
+    return RewardModel(run.cfg, params, trained["reward_head"], tok_lib.load(run.path), loop.run_template(run.record),
+                       run.path)

@@ -34,8 +34,14 @@ from mlx_llm.post import loop
 from mlx_llm.post import lora as lora_lib
 from mlx_llm.post import pairs as pairs_lib
 from mlx_llm.post import tasks as tasks_lib
+from mlx_llm.post.reward import load_reward_model
+from mlx_llm.post.sft import REPLY_TOKENS, eval_task, sample_replies
+from mlx_llm.runs.configs import RLConfig
+from mlx_llm.runs.resume import schedule_config
+from mlx_llm.train.checkpoint import locked_run_dir
 from mlx_llm.train.data import epoch_order
 from mlx_llm.train.metrics import write_summary
+from mlx_llm.train.step import moe_offsets
 
 
 # ----- the equations ------------------------------------------------------------------------------------------
@@ -104,18 +110,22 @@ def train_bandit(pi_ref, rewards, beta, *, k: int = 16, steps: int = 4000, lr: f
 
 # ----- in a language model ------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=16)  # one function per setting: its jitted update compiles once
-def make_loss(cfg, beta: float, k: int, lora_cfg, kernels=None):
-    """(trainable, frozen, batch) → (loss, metrics): batch holds P·K sampled replies (grouped by prompt) as
-    sequences and their rewards; ``kernels``: the execution paths of both forwards."""
+def make_objective(cfg, beta: float, k: int, lora_cfg, kernels=None, remat: str = "none"):
+    """(trainable, frozen, batch, key) → (Σ loss, (replies, the policy's expert loads, {kl, shaped_reward}
+    summed)): ``train.step.make_update``'s form. The batch holds P·K sampled replies grouped by prompt (a
+    micro-batch of gradient accumulation holds whole groups) as sequences and their rewards; ``kernels``: the
+    execution paths of both forwards."""
 
-    def loss_fn(trainable, frozen, batch):
+    def objective(trainable, frozen, batch, key):
         seqs = {"ids": batch["ids"], "target": batch["target"]}
         policy = loop.policy_params(trainable, frozen, lora_cfg)
-        logp = pairs_lib.response_logprobs(policy, cfg, seqs, kernels)
+        logp, load = pairs_lib.response_logprobs(policy, cfg, seqs, kernels, remat=remat, return_aux=True)
         logp_ref = jax.lax.stop_gradient(pairs_lib.response_logprobs(frozen["reference"], cfg, seqs, kernels))
-        return leashed_loss(logp.reshape(-1, k), logp_ref.reshape(-1, k), batch["reward"].reshape(-1, k), beta)
+        loss, aux = leashed_loss(logp.reshape(-1, k), logp_ref.reshape(-1, k), batch["reward"].reshape(-1, k), beta)
+        n = jnp.asarray(logp.shape[0], jnp.float32)
+        return loss * n, (n, load, {name: value * n for name, value in aux.items()})
 
-    return loss_fn
+    return objective
 
 
 def reply_sequences(prompt_ids, replies, width: int, pad_id: int) -> dict:
@@ -130,8 +140,6 @@ _logprobs = jax.jit(pairs_lib.response_logprobs, static_argnums=1)
 def sampled_kl(policy, reference, base: loop.Base, prompts, max_new_tokens: int, *, seed: int = 0) -> float:
     """KL(π ‖ π_ref) over ``prompts`` (message lists), estimated from one reply per prompt drawn from π at
     temperature 1: the mean of Σ_t log π − log π_ref over the reply's tokens (k1; unbiased)."""
-    from mlx_llm.post.sft import sample_replies
-
     replies = sample_replies(policy, base.cfg, base.tok, base.template, prompts, max_new_tokens, temperature=1.0,
                              seed=seed)
     ids = [base.template.encode(m, base.tok, generation_prompt=True)[0] for m in prompts]
@@ -147,8 +155,6 @@ class Sampler:
 
     def __init__(self, base: loop.Base, task: str, tcfg: TrainConfig, k: int, frozen, lora_cfg, *, n_train=None,
                  reward_model=None, max_new_tokens=None):
-        from mlx_llm.post.sft import REPLY_TOKENS
-
         self.base, self.task, self.tcfg, self.k, self.frozen, self.lora_cfg = base, task, tcfg, k, frozen, lora_cfg
         self.examples = tasks_lib.examples(task, "train", n=n_train, seed=tcfg.seed)
         self.reward_model = reward_model
@@ -169,7 +175,6 @@ class Sampler:
         return {"ids": seqs["ids"], "target": seqs["target"], "reward": np.zeros(n, np.float32)}
 
     def __call__(self, step: int, trainable):
-        from mlx_llm.post.sft import sample_replies
 
         base, k = self.base, self.k
         idx = np.repeat(epoch_order(step, self.tcfg.batch_size, len(self.examples), self.tcfg.seed), k)
@@ -187,60 +192,54 @@ class Sampler:
         return {"ids": seqs["ids"], "target": seqs["target"], "reward": reward}, host
 
 
-def rl_run(run_dir, base_run=None, *, task: str | None = None, tcfg: TrainConfig | None = None, beta: float = 0.05,
-           k: int = 8, reward_model=None, reference=None, lora_cfg: lora_lib.LoRAConfig | None = None,
-           n_train: int | None = None, eval_examples: int | None = 200, resume: bool = False,
-           show_progress: bool = True, max_seconds: float | None = None, log=print) -> dict:
-    """KL-leashed on-policy RL from ``base_run`` on ``task`` (``tcfg.batch_size`` prompts × ``k`` replies per step),
-    rewarded by the task's checker or by ``reward_model`` (a reward run with the policy's tokenizer); the
-    reference is the base unless ``reference`` names another run. Held-out exact match before and after."""
-    from mlx_llm.post.reward import load_reward_model
-    from mlx_llm.post.sft import eval_task
-    from mlx_llm.train.run import check_run_dir, locked_run_dir
-
+def rl_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, settings: RLConfig | None = None,
+           lora_cfg: lora_lib.LoRAConfig | None = None, resume: bool = False, changes: dict | None = None,
+           from_step: int | None = None, show_progress: bool = True, max_seconds: float | None = None,
+           log=print) -> dict:
+    """KL-leashed on-policy RL from ``base_run`` on ``settings.task`` (``tcfg.batch_size`` prompts × ``k`` replies
+    per step), rewarded by the task's checker or by ``settings.reward_model`` (a reward run with the policy's
+    tokenizer); the reference is the base unless ``settings.reference`` names another run. Held-out exact match
+    before and after. On resume everything is read back from the run (``changes``, ``from_step``: ``loop.resume_of``)."""
     run_dir = Path(run_dir)
-    check_run_dir(run_dir, resume)
-    if resume:
-        _, tcfg, info = loop.read_run_files(run_dir)
-        rec = info["post"]
-        base_run, task, beta, k, reward_model, reference, n_train = (
-            rec["base"], rec["task"], rec["beta"], rec["k"], rec["reward_model"], rec["reference"], rec["n_train"])
-        lora_cfg = loop.lora_from_record(rec)
-    if task not in tasks_lib.TASKS:
-        raise ConfigError(f"task = {task!r} is invalid: RL needs a task with an exact checker and prompts: "
-                          f"{list(tasks_lib.TASKS)}")
-    beta, k = loop.check_beta(beta), check_group(k)
+    run, resumed, plan = loop.resume_of(run_dir, resume, changes, from_step)
+    if run is not None:
+        tcfg, settings, lora_cfg, base_run = resumed, run.record.settings, run.record.lora, run.record.base.run
+    s = settings
     base = loop.load_base(base_run)
-    ref = base if reference is None else loop.load_base(reference)
+    if run is not None:
+        loop.check_base_unchanged(run, base)
+    ref = base if s.reference is None else loop.load_base(s.reference)
     loop.check_same_model(base, ref, "reference")
     rm = None
-    if reward_model is not None:
-        rm = load_reward_model(reward_model)
+    if s.reward_model is not None:
+        rm = load_reward_model(s.reward_model)
         if rm.tok.fingerprint() != base.tok.fingerprint():
-            raise ConfigError(f"the reward model {reward_model} has a different tokenizer from the policy's "
+            raise ConfigError(f"the reward model {s.reward_model} has a different tokenizer from the policy's "
                               f"({base.run}): it cannot score the policy's token ids")
     frozen = {"reference": ref.params, **({"base": base.params} if lora_cfg is not None else {})}
-    sampler = Sampler(base, task, tcfg, k, frozen, lora_cfg, n_train=n_train, reward_model=rm)
-    record = loop.post_record("rl", base, lora_cfg, task=task, beta=beta, k=k, n_train=n_train,
-                              reward_model=None if reward_model is None else str(Path(reward_model).resolve()),
-                              reference=None if reference is None else str(Path(reference).resolve()),
-                              kl_estimator="k1, per token, in the reward")
+    sampler = Sampler(base, s.task, tcfg, s.k, frozen, lora_cfg, n_train=s.n_train, reward_model=rm)
+    record = loop.post_record("rl", base, lora_cfg, settings)
     trainable = loop.initial_trainable(base, lora_cfg, tcfg.seed)
-    update = loop.compiled_update(base.cfg, tcfg, make_loss(base.cfg, beta, k, lora_cfg, tcfg.kernels(resolve=True)),
-                                  trainable, frozen, sampler.example_batch())
-    before = None if resume else eval_task(base.params, base.cfg, base.tok, task, base.template, n=eval_examples)
+    objective = make_objective(base.cfg, s.beta, s.k, lora_cfg, tcfg.kernels(resolve=True), tcfg.remat)
+    update = loop.compiled_update(base.cfg, schedule_config(tcfg, plan and plan.schedule_steps), objective,
+                                  trainable, frozen, sampler.example_batch(),
+                                  offsets=None if lora_cfg else moe_offsets(base.cfg), count_name="replies")
+    before = None if resume else eval_task(base.params, base.cfg, base.tok, s.task, base.template,
+                                           n=s.eval_examples)
     with locked_run_dir(run_dir, resume):  # held to the end of the run
-        loop.start_run(run_dir, base, tcfg, record, resume)
-        log(f"rl from {base.run} (step {base.step}) on {task}: {tcfg.batch_size} prompts × {k} replies per step, "
-            f"β = {beta:g}, reward from {'the checker' if rm is None else rm.run}; {'LoRA' if lora_cfg else 'full'}")
+        loop.start_run(run_dir, base, tcfg, record, plan)
+        log(f"rl from {base.run} (step {base.step}) on {s.task}: {tcfg.batch_size} prompts × {s.k} replies per "
+            f"step, β = {s.beta:g}, reward from {'the checker' if rm is None else rm.run}; "
+            f"{'LoRA' if lora_cfg else 'full'}")
 
         def evaluate(trainable):
             params = loop.policy_params(trainable, frozen, lora_cfg)
-            return {"heldout_accuracy": eval_task(params, base.cfg, base.tok, task, base.template, n=eval_examples)["accuracy"]}
+            return {"heldout_accuracy": eval_task(params, base.cfg, base.tok, s.task, base.template,
+                                                  n=s.eval_examples)["accuracy"]}
 
-        out = loop.post_loop(run_dir, base.cfg, tcfg, trainable, frozen, update, sampler, evaluate=evaluate,
-                             resume=resume, show_progress=show_progress, max_seconds=max_seconds, log=log)
-        summary = {"steps": out["steps"], "wall_seconds": out["wall_seconds"], **out["eval"],
+        out = loop.post_fit(run_dir, base.cfg, tcfg, trainable, frozen, update, sampler, evaluate, plan=plan,
+                            show_progress=show_progress, max_seconds=max_seconds, log=log, on_policy=True)
+        summary = {**out["summary"],
                    **{key: out["last"].get(key) for key in ("reward", "accuracy", "kl", "response_length")}}
         if before is not None:
             summary["base_heldout_accuracy"] = before["accuracy"]

@@ -9,8 +9,8 @@ positions restart at 0, and its mask is its own.
 
 Full fine-tuning trains every parameter from the base's values (new optimizer moments). LoRA (``lora_cfg``)
 trains adapters beside the frozen base (post/lora.py): the run's checkpoints hold the adapters only, and
-``run.json`` records the base run and its checkpoint step, so ``load_sft_params`` rebuilds W₀ + (α/r)·A·B and
-``merge_run`` writes a plain run with the adapters folded in.
+the run record holds the base run and its checkpoint step, so ``runs.load.load_params`` rebuilds W₀ + (α/r)·A·B
+and ``runs.load.merge_run`` writes a plain run with the adapters folded in.
 
 ``eval_task`` measures the skill: greedy decoding through the chat template on held-out prompts, scored by the
 task's exact checker (``tasks.check``).
@@ -19,7 +19,6 @@ task's exact checker (``tasks.check``).
 from __future__ import annotations
 
 import dataclasses
-import shutil
 import time
 from pathlib import Path
 
@@ -27,13 +26,19 @@ import jax
 import numpy as np
 
 from mlx_llm.config import ModelConfig, TrainConfig
-from mlx_llm.errors import CheckpointError, ConfigError, DataError
+from mlx_llm.errors import ConfigError, DataError
 from mlx_llm.post import lora as lora_lib
 from mlx_llm.post import tasks as tasks_lib
 from mlx_llm.post.chat import ChatTemplate, read_conversations
 from mlx_llm.train import tokenizer as tok_lib
-from mlx_llm.train.checkpoint import Checkpoints, read_run_files, write_run_files
-from mlx_llm.train.data import ValSet, epoch_order, val_score
+from mlx_llm.decode.generate import generate
+from mlx_llm.post import loop
+from mlx_llm.post.loop import run_template
+from mlx_llm.runs.configs import SFTConfig
+from mlx_llm.train.checkpoint import locked_run_dir
+from mlx_llm.train.preflight import check_fits
+from mlx_llm.train.run import train_loop
+from mlx_llm.train.data import ValSet, epoch_order, first_until, val_score
 from mlx_llm.train.metrics import write_summary
 
 REPLY_TOKENS = {"arithmetic": 8, "addition2": 8, "name_function": 40}  # new tokens eval_task allows per reply
@@ -91,7 +96,11 @@ class SFTData:
         return {name: a[idx] for name, a in self.train_rows.items()}
 
     def val_batches(self, seq_len: int, batch_size: int, max_tokens: int | None = None) -> ValSet:
-        rows = pack(self.val_convs, seq_len, self.tokenizer.pad_id)
+        """The held-out conversations packed in order; ``max_tokens`` (``--eval-tokens``): only the first ones
+        whose response tokens reach that many (at least one conversation)."""
+        convs = self.val_convs if max_tokens is None else first_until(
+            self.val_convs, lambda c: int(np.sum(c[1][1:])), max_tokens)
+        rows = pack(convs, seq_len, self.tokenizer.pad_id)
         n = -(-rows["tokens"].shape[0] // batch_size) * batch_size
         rows = {k: np.concatenate([a, np.zeros((n - a.shape[0],) + a.shape[1:], a.dtype)]) for k, a in rows.items()}
         byte_len = self.tokenizer.token_byte_lengths()
@@ -130,73 +139,46 @@ def load_data(tok, template: ChatTemplate, seq_len: int, *, data=None, task=None
 
 
 # ----- runs ---------------------------------------------------------------------------------------------------
-def load_base(base_run) -> tuple[ModelConfig, TrainConfig, dict, int]:
-    """(cfg, tcfg, params, checkpoint step) of a pretrained (next-token) run's latest checkpoint."""
-    from mlx_llm.train.run import load_params
-
-    base_run = Path(base_run)
-    cfg, tcfg, _ = read_run_files(base_run)
-    if tcfg.objective != "ar":
-        raise ConfigError(f"{base_run} was trained with objective {tcfg.objective!r}: chat fine-tuning starts from "
-                          f"a next-token (ar) run")
-    step = Checkpoints(base_run).latest_step()
-    if step is None:
-        raise CheckpointError(f"{base_run} has no checkpoint to fine-tune")
-    return cfg, tcfg, load_params(base_run, cfg, tcfg, step), step
-
-
-def sft_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, data=None, task=None,
+def sft_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, settings: SFTConfig | None = None,
             lora_cfg: lora_lib.LoRAConfig | None = None, template: ChatTemplate = ChatTemplate(),
-            n_train: int | None = None, eval_examples: int | None = 200, resume: bool = False,
+            resume: bool = False, changes: dict | None = None, from_step: int | None = None,
             show_progress: bool = True, log=print) -> dict:
-    """Fine-tune ``base_run`` on ``data`` or ``task`` into ``run_dir`` (or resume it); returns the summary, with
-    the held-out task accuracy before (base) and after when a task is given. Everything is checked before the run
-    directory is created."""
-    from mlx_llm.train.preflight import check_fits
-    from mlx_llm.train.run import check_run_dir, locked_run_dir, train_loop
-
+    """Fine-tune ``base_run`` on ``settings``' data or task into ``run_dir`` (or resume it: everything is read
+    back from the run); returns the summary, with the held-out task accuracy before (base) and after when a task
+    is given. Everything is checked before the run directory is created."""
     run_dir = Path(run_dir)
-    check_run_dir(run_dir, resume)
-    if resume:
-        _, tcfg, info = read_run_files(run_dir)
-        sft = info["sft"]
-        base_run, data, task, n_train = sft["base"], sft["data"], sft["task"], sft["n_train"]
-        lora_cfg = None if sft["lora"] is None else lora_lib.LoRAConfig(**sft["lora"])
-        template = ChatTemplate.from_dict(sft["template"])
-    cfg, _, base_params, base_step = load_base(base_run)
-    if resume and base_step != info["sft"]["base_step"]:
-        raise CheckpointError(f"{base_run} now ends at checkpoint {base_step}, not {info['sft']['base_step']} as "
-                              f"when this run started: its base changed")
+    run, resumed, plan = loop.resume_of(run_dir, resume, changes, from_step)
+    if run is not None:
+        tcfg, settings, lora_cfg = resumed, run.record.settings, run.record.lora
+        base_run, template = run.record.base.run, run_template(run.record)
+    base = loop.load_base(base_run)
+    if run is not None:
+        loop.check_base_unchanged(run, base)
+    cfg, base_params, tok, s = base.cfg, base.params, base.tok, settings
     if tcfg.objective != "ar":
         raise ConfigError("chat fine-tuning trains next-token predictions: objective must be 'ar'")
     if tcfg.seq_len > cfg.max_seq_len:
         raise ConfigError(f"seq_len = {tcfg.seq_len} is longer than the base model's max_seq_len = {cfg.max_seq_len}")
-    tok = tok_lib.load(base_run)
     template.check_tokenizer(tok)
-    sft_data = load_data(tok, template, tcfg.seq_len, data=data, task=task, n_train=n_train, seed=tcfg.seed)
+    sft_data = load_data(tok, template, tcfg.seq_len, data=s.data, task=s.task, n_train=s.n_train, seed=tcfg.seed)
     adapters = None if lora_cfg is None else lora_lib.init(base_params, lora_cfg, jax.random.key(tcfg.seed))
     check_fits(cfg, tcfg, lora_cfg=lora_cfg, mask_id=tok.mask_id)
     with locked_run_dir(run_dir, resume):  # held to the end of the run
-        if not resume:
-            info = {"sft": {"base": str(Path(base_run).resolve()), "base_step": base_step,
-                            "data": None if data is None else str(Path(data).resolve()), "task": task,
-                            "n_train": n_train, "template": template.to_dict(),
-                            "lora": None if lora_cfg is None else dataclasses.asdict(lora_cfg)},
-                    "data": read_run_files(Path(base_run))[2]["data"]}
-            write_run_files(run_dir, cfg, tcfg, info)
-            tok.save(run_dir)
+        loop.start_run(run_dir, base, tcfg, dataclasses.replace(
+            loop.post_record("sft", base, lora_cfg, settings), template=template.to_dict()), plan)
         trainable = adapters if lora_cfg is not None else base_params
         n_trainable = lora_lib.param_count(adapters) if lora_cfg is not None else cfg.param_count()
-        log(f"sft from {base_run} (step {base_step}): {sft_data.train_rows['tokens'].shape[0]:,} packed rows, "
+        log(f"sft from {base.run} (step {base.step}): {sft_data.train_rows['tokens'].shape[0]:,} packed rows, "
             f"{len(sft_data.val_convs):,} held out; {'LoRA' if lora_cfg else 'full'}: {n_trainable:,} trainable")
-        before = (eval_task(base_params, cfg, tok, task, template, n=eval_examples)
-                  if task is not None and not resume else None)
+        before = (eval_task(base_params, cfg, tok, s.task, template, n=s.eval_examples)
+                  if s.task is not None and not resume else None)
         out = train_loop(run_dir, cfg, tcfg, sft_data, resume=resume, show_progress=show_progress, log=log,
                          initial_params=trainable, frozen=base_params if lora_cfg is not None else None,
-                         lora_cfg=lora_cfg)
+                         lora_cfg=lora_cfg, from_step=plan.step if plan and plan.from_step else None,
+                         schedule_steps=plan and plan.schedule_steps)
         summary = {**out["summary"], "trainable_params": n_trainable}
-        if task is not None:
-            after = eval_task(out["params"], cfg, tok, task, template, n=eval_examples)
+        if s.task is not None:
+            after = eval_task(out["params"], cfg, tok, s.task, template, n=s.eval_examples)
             summary["heldout_accuracy"] = after["accuracy"]
             summary["heldout_examples"] = after["n"]
             if before is not None:
@@ -205,55 +187,12 @@ def sft_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, data=Non
     return summary
 
 
-def load_sft_params(run_dir, step: int | None = None):
-    """A fine-tuned run's model parameters: the checkpoint itself (full), or the base W₀ with its adapters
-    folded in (LoRA; the base may itself be a LoRA run)."""
-    from mlx_llm.train.run import load_params, restore_params
-
-    run_dir = Path(run_dir)
-    cfg, tcfg, info = read_run_files(run_dir)
-    sft = info.get("sft") or info["post"]  # a DPO / RL run records its base the same way
-    if sft["lora"] is None:
-        return restore_params(run_dir, cfg, tcfg, step)
-    lora_cfg = lora_lib.LoRAConfig(**{**sft["lora"], "targets": tuple(sft["lora"]["targets"])})
-    base_cfg, base_tcfg, _ = read_run_files(Path(sft["base"]))
-    base = load_params(Path(sft["base"]), base_cfg, base_tcfg, sft["base_step"])
-    like = lora_lib.init(base, lora_cfg, jax.random.key(0))
-    adapters = restore_params(run_dir, cfg, tcfg, step, like=like)
-    return lora_lib.merge(base, adapters, lora_cfg)
-
-
-def merge_run(run_dir, out) -> Path:
-    """Write ``out``: a plain run (config, tokenizer, one checkpoint of the merged parameters) from a LoRA run."""
-    from mlx_llm.train.run import check_run_dir
-    from mlx_llm.train.step import init_state, optimizer_for
-
-    run_dir, out = Path(run_dir), Path(out)
-    cfg, tcfg, info = read_run_files(run_dir)
-    if (info.get("sft") or {}).get("lora") is None:
-        raise ConfigError(f"{run_dir} is not a fine-tuning run with LoRA adapters: there is nothing to merge (its "
-                          f"checkpoints already hold plain parameters)")
-    check_run_dir(out, resume=False)
-    params = load_sft_params(run_dir)
-    step = Checkpoints(run_dir).latest_step()
-    write_run_files(out, cfg, tcfg, {"data": info["data"], "merged_from": str(run_dir.resolve())})
-    shutil.copy(run_dir / tok_lib.TOKENIZER_FILE, out / tok_lib.TOKENIZER_FILE)
-    state = init_state(cfg, tcfg, optimizer_for(tcfg), params).replace(
-        step=np.int32(step), data_step=np.int32(step))
-    ckpts = Checkpoints(out)
-    ckpts.save(step, state)
-    ckpts.close()
-    return out
-
-
 # ----- the skill -----------------------------------------------------------------------------------------------
 def sample_replies(params, cfg: ModelConfig, tok, template: ChatTemplate, prompts, max_new_tokens: int, *,
                    temperature: float | None = None, seed: int = 0, batch_size: int = 64) -> list:
     """The model's reply to each conversation of ``prompts`` (rendered with the assistant marker), decoded until
     the end-of-turn marker or ``max_new_tokens``: greedy (``temperature`` None) or sampled from p^(1/T) with
     the jitted decoder. Returns [(reply ids, end marker included when produced), text (marker dropped)]."""
-    from mlx_llm.decode.generate import generate
-
     end_id = tok.token_id(template.end)
     encoded = [template.encode(m, tok, generation_prompt=True)[0] for m in prompts]
     longest = max(len(p) for p in encoded)

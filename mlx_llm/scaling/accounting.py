@@ -15,6 +15,7 @@ import numpy as np
 
 from mlx_llm.config import ModelConfig
 from mlx_llm.errors import ConfigError, InputError
+from mlx_llm.layers import layout
 
 
 def _count(name: str, value, *, minimum: int = 1) -> int:
@@ -107,17 +108,24 @@ def lora_model_params(d: int, L: int, r: int, n_matrices: int = 2) -> int:
 
 
 def lora_minillm_params(cfg: ModelConfig, r: int, targets: tuple[str, ...] = ("wq", "wv")) -> int:
-    """Adapters on the named projections of every MiniLLM layer (DESIGN §1 layout): r(d_in + d_out) each.
+    """Adapters on the named projections of every layer that has them (DESIGN §1 layout): r(d_in + d_out) each.
 
-    W^Q and W^O are d × h_q·d_h (either way round), W^K and W^V are d × h_kv·d_h, gate/up d × m, down m × d.
+    In the dense MiniLLM W^Q and W^O are d × h_q·d_h (either way round), W^K and W^V are d × h_kv·d_h, gate/up
+    d × m, down m × d: L·Σ_t r(d_in + d_out). The matrices are those of the LoRA targets ``layers.layout``
+    declares (``lora_in`` input axes, the rest outputs), the same that ``post.lora`` adapts.
     """
-    d, q, kv, m = cfg.d_model, cfg.n_heads * cfg.d_head, cfg.n_kv_heads * cfg.d_head, cfg.d_ff
-    shapes = {"wq": (d, q), "wk": (d, kv), "wv": (d, kv), "wo": (q, d), "w_gate": (d, m), "w_up": (d, m),
-              "w_down": (m, d)}
-    unknown = [t for t in targets if t not in shapes]
+    per_layer = [_lora_shapes(cfg, kinds) for kinds in (cfg.layer_kinds(l) for l in range(cfg.n_layers))]
+    valid = set().union(*per_layer)
+    unknown = [t for t in targets if t not in valid]
     if unknown or not targets:
-        raise ConfigError(f"LoRA targets {list(targets)!r} are invalid: choose one or more of {sorted(shapes)}")
-    return cfg.n_layers * sum(lora_params(*shapes[t], r) for t in targets)
+        raise ConfigError(f"LoRA targets {list(targets)!r} are invalid: choose one or more of {sorted(valid)}")
+    return sum(lora_params(*shapes[t], r) for shapes in per_layer for t in targets if t in shapes)
+
+
+def _lora_shapes(cfg: ModelConfig, kinds: tuple[str, str]) -> dict[str, tuple[int, int]]:
+    """(d_in, d_out) of every LoRA target of one layer of the given (mixer, FFN) kinds."""
+    infos = {**layout.KINDS[kinds[0]], **layout.KINDS[kinds[1]]}
+    return {k: layout.matrix_shape(i, layout.shape(i, cfg)) for k, i in infos.items() if i.lora_in is not None}
 
 
 # ----- compute ------------------------------------------------------------------------------------
@@ -140,20 +148,16 @@ def matmul_params(cfg: ModelConfig) -> int:
     so it is counted once either way. Norm gains are elementwise. A Mamba layer counts its projections
     in_x, in_z (2dI), w_dt and dt_proj (2IR), w_B and w_C (2IN) and out_proj (Id); its depthwise conv, biases,
     A_log and D act elementwise, and the scan's own work (a few operations per (i, n) per token) is not a
-    weight product either.
+    weight product either. Which arrays are matrix-product weights is their role in ``layers.layout``.
     """
-    d = cfg.d_model
-    total = d * cfg.vocab_size
-    for mixer, ffn in (cfg.layer_kinds(l) for l in range(cfg.n_layers)):
-        total += mamba_matmul_params(cfg) if mixer == "mamba" else cfg.mixer_param_count(mixer) - d
-        total += max(cfg.ffn_param_count(ffn, active=True) - d, 0)
-    return total
+    unembedding = cfg.d_model * cfg.vocab_size
+    return unembedding + layout.stack_count(cfg, active=True, roles=("matmul",))
 
 
 def mamba_matmul_params(cfg: ModelConfig) -> int:
-    """Weights of one Mamba mixer used in matrix products: 2dI + 2IR + 2IN + Id = 3dI + 2I(R + N)."""
-    d, inner, n, r = cfg.d_model, cfg.ssm_expand * cfg.d_model, cfg.ssm_state, cfg.ssm_dt_rank
-    return 3 * d * inner + 2 * inner * (r + n)
+    """Weights of one Mamba mixer used in matrix products: 2dI + 2IR + 2IN + Id = 3dI + 2I(R + N) (the
+    "matmul" arrays of ``layers.layout.MAMBA``)."""
+    return layout.count(layout.MAMBA, cfg, roles=("matmul",))
 
 
 def mixer_layers(cfg: ModelConfig, kind: str) -> int:

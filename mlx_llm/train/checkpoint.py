@@ -1,6 +1,6 @@
 """Run directories and orbax checkpoints.
 
-A run directory holds ``config.json``, ``train_config.json``, ``run.json`` (data source), ``tokenizer.json``,
+A run directory holds ``config.json``, ``train_config.json``, ``run.json`` (the run record, runs/record.py), ``tokenizer.json``,
 ``checkpoints/<step>/`` (orbax, the last ``keep`` kept), ``metrics.jsonl``, ``loss.png`` and ``sample.txt``.
 Orbax writes each checkpoint to a temporary directory and renames it when complete, so a run killed while
 writing leaves the previous checkpoint loadable.
@@ -19,7 +19,6 @@ Reliability (issue 13):
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import fcntl
 import hashlib
 import json
@@ -32,18 +31,12 @@ from typing import Any, Iterator
 import jax
 import orbax.checkpoint as ocp
 
-from mlx_llm.config import ModelConfig, TrainConfig, write_json_atomic
-from mlx_llm.errors import CheckpointError, ConfigError
+from mlx_llm.config import write_json_atomic
+from mlx_llm.errors import CheckpointError
+from mlx_llm.runs.record import CHECKPOINT_DIR, CONFIG_FILE
 
-CONFIG_FILE, TRAIN_CONFIG_FILE, RUN_FILE = "config.json", "train_config.json", "run.json"
-CHECKPOINT_DIR = "checkpoints"
 MANIFEST_FILE = "mlx_llm_sha256.json"  # inside each checkpoints/<step>/
 LOCK_FILE = "run.lock"
-# TrainConfig fields a resumed run may change; every other field must equal the run's. ``steps`` may only grow
-# (``plan_resume``): the extended steps follow the rule of ``schedule_config``. ``mesh`` and ``remat`` change where
-# arrays live and what the backward pass recomputes, not the numbers (a checkpoint restores under any mesh).
-RESUME_MAY_CHANGE = frozenset({"steps", "mesh", "remat", "attention_impl", "moe_impl", "loss_chunk"})
-SCHEDULE_STEPS = "schedule_steps"  # run.json: the total the lr schedule is defined over, once a run is extended
 
 
 class Checkpoints:
@@ -171,27 +164,6 @@ def abstract_like(tree: Any) -> Any:
                         tree)
 
 
-def write_run_files(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, run_info: dict) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    cfg.to_json(run_dir / CONFIG_FILE)
-    tcfg.to_json(run_dir / TRAIN_CONFIG_FILE)
-    write_json_atomic(run_dir / RUN_FILE, run_info)
-
-
-def read_run_files(run_dir: Path) -> tuple[ModelConfig, TrainConfig, dict]:
-    run_dir = Path(run_dir)
-    if not (run_dir / CONFIG_FILE).is_file():
-        raise CheckpointError(f"{str(run_dir)!r} is not a run directory: it has no {CONFIG_FILE} "
-                              f"(give the --out directory of an earlier `mlx-llm train`)")
-    try:
-        cfg = ModelConfig.from_json(run_dir / CONFIG_FILE)
-        tcfg = TrainConfig.from_json(run_dir / TRAIN_CONFIG_FILE)
-        info = json.loads((run_dir / RUN_FILE).read_text(encoding="utf-8"))
-    except (ConfigError, OSError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"run directory {str(run_dir)!r} is damaged: {exc}") from None
-    return cfg, tcfg, info
-
-
 # ----- run directory checks ---------------------------------------------------------------------------------
 def check_run_dir(run_dir: Path, resume: bool) -> None:
     """Never overwrite a run: a directory holding one needs ``resume``; any other non-empty one is refused; one
@@ -224,63 +196,6 @@ def locked_run_dir(run_dir: Path, resume: bool):
     with run_lock(run_dir):
         _check_run_dir_contents(run_dir, resume)
         yield
-
-
-# ----- resuming --------------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class ResumePlan:
-    """What a resumed run restores and the schedule it follows."""
-
-    step: int | None  # the checkpoint to restore (None: none was written yet, the run starts over)
-    from_step: bool  # chosen with --from-step: the checkpoints after it are set aside
-    schedule_steps: int  # the total warmup_cosine is defined over (the run's first ``steps``, once extended)
-
-
-def plan_resume(run_dir: Path, tcfg: TrainConfig, from_step: int | None = None) -> ResumePlan:
-    """Check a resume of ``run_dir`` with ``tcfg`` before anything is written: the checkpoint it restores (the
-    latest, or ``from_step``) must be intact (a damaged one is refused, naming the previous intact one), and
-    ``steps`` may only grow (a smaller value would end the run before steps it has taken)."""
-    _, saved, info = read_run_files(run_dir)
-    if tcfg.steps < saved.steps:
-        raise ConfigError(f"--steps {tcfg.steps} would shorten {str(run_dir)!r}: it was set to {saved.steps} steps; on "
-                          f"--resume --steps may only extend a run (more than {saved.steps}); to use an earlier "
-                          f"checkpoint, give eval / generate --step N")
-    if not (run_dir / CHECKPOINT_DIR).is_dir() and from_step is None:  # killed before its first checkpoint
-        return ResumePlan(None, False, info.get(SCHEDULE_STEPS, saved.steps))
-    ckpts = Checkpoints(run_dir)
-    try:
-        steps = ckpts.all_steps()
-        if from_step is not None and from_step not in steps:
-            raise CheckpointError(f"--from-step {from_step}: {str(run_dir)!r} has no checkpoint {from_step}; its "
-                                  f"checkpoints are {steps}")
-        step = from_step if from_step is not None else (steps[-1] if steps else None)
-        if step is not None:
-            ckpts.check_intact(step)
-    finally:
-        ckpts.close()
-    return ResumePlan(step, from_step is not None, info.get(SCHEDULE_STEPS, saved.steps))
-
-
-def record_resume(run_dir: Path, tcfg: TrainConfig, plan: ResumePlan) -> None:
-    """Write what an accepted resume changed: train_config.json, and (first) run.json's schedule_steps when the
-    steps grow. Each file atomically; run.json first, so a crash in between leaves the run as it was."""
-    _, saved, info = read_run_files(run_dir)
-    if tcfg == saved:
-        return
-    if tcfg.steps != saved.steps and SCHEDULE_STEPS not in info:
-        write_json_atomic(run_dir / RUN_FILE, {**info, SCHEDULE_STEPS: plan.schedule_steps})
-    tcfg.to_json(run_dir / TRAIN_CONFIG_FILE)
-
-
-def schedule_config(tcfg: TrainConfig, schedule_steps: int | None = None) -> TrainConfig:
-    """``tcfg`` as the optimizer sees it: the warmup-cosine is defined over ``schedule_steps``, an extended run's
-    original total, not over its new ``steps``. The extension rule: the steps a run has taken keep their lr, and
-    the steps an extension adds run at the final lr, peak·final_lr_fraction, which is what ``warmup_cosine``
-    gives after its end. No step of the extension re-raises the lr the run has annealed (a re-warm would undo
-    part of the anneal), and the optimizer state is the same structure, so it restores as is."""
-    if schedule_steps is None or schedule_steps == tcfg.steps:
-        return tcfg
-    return dataclasses.replace(tcfg, steps=schedule_steps)
 
 
 # ----- the run lock -------------------------------------------------------------------------------------------

@@ -1,16 +1,10 @@
-"""A run's metrics: metrics.jsonl (written by process 0 alone), the divergence check at each readback, MoE
-expert-load rows, the loss plot, the progress bar and summary.json, shared by pretraining, SFT and the preference
-runs."""
+"""A run's metrics: metrics.jsonl (written by process 0 alone), MoE expert-load rows, the loss plot, the progress
+bar and summary.json, shared by every run kind (train/loop.py reads them back and checks them)."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
-import time
 from pathlib import Path
-
-import jax
 
 from mlx_llm.config import ModelConfig
 from mlx_llm.errors import MLXLLMError
@@ -72,15 +66,6 @@ def plot_losses(metrics_path: Path, out: Path) -> None:
 
 
 # ----- readback ---------------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class Progress:
-    """Host-side bookkeeping between flushes: pending step metrics and throughput timing."""
-
-    pending: list = dataclasses.field(default_factory=list)
-    last_time: float = dataclasses.field(default_factory=time.perf_counter)
-    last_step: int = 0
-
-
 def expert_load_metrics(load, cfg: ModelConfig) -> dict:
     """Per MoE layer: the fraction of assignments each expert received and max/mean load (1 = even)."""
     layers = per_layer_loads(load, cfg)
@@ -89,24 +74,6 @@ def expert_load_metrics(load, cfg: ModelConfig) -> dict:
     fractions = [(counts / max(counts.sum(), 1.0)).round(5).tolist() for _, counts in layers]
     imbalance = [round(float(load_imbalance(counts)), 5) for _, counts in layers]
     return {"moe_layers": [l for l, _ in layers], "expert_load": fractions, "load_imbalance": imbalance}
-
-
-def flush(progress: Progress, metrics_path: Path, run_dir: Path, last_ckpt, cfg: ModelConfig) -> list[dict]:
-    """Read back pending step metrics (one host sync), stop on the first non-finite one, write them."""
-    rows = []
-    for step, m in jax.device_get(progress.pending):
-        row = {"step": step + 1, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]), "lr": float(m["lr"]),
-               **expert_load_metrics(m["expert_load"], cfg)}
-        if not (math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])):
-            where = (f"step {last_ckpt} in {run_dir / 'checkpoints'}" if last_ckpt is not None
-                     else "none was written yet")
-            raise TrainingDiverged(f"training diverged: loss = {row['loss']}, grad norm = {row['grad_norm']} at step "
-                                   f"{row['step']} (lr {row['lr']:.3g}); the last good checkpoint is kept ({where}); "
-                                   f"lower --lr or raise --warmup-steps")
-        rows.append(row)
-    progress.pending.clear()
-    append_metrics(metrics_path, rows)
-    return rows
 
 
 def progress_bar(show: bool, start: int, total: int):

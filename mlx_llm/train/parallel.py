@@ -13,7 +13,8 @@ through ``tree_shardings``. The rule, per array:
    because the forward scans over it.
 2. ``tensor`` takes the axis named in ``TENSOR_AXIS`` for the key (heads of ``wq wk wv wo``; the FFN width m of
    ``w_gate w_up w_down`` and of the experts; the SSM inner width I of every Mamba matrix; the vocabulary of
-   ``embed``/``unembed``) when the tensor size divides it; other keys are replicated over ``tensor``.
+   ``embed``/``unembed``) when the tensor size divides it; other keys are replicated over ``tensor``. The axes
+   are the ``tensor_axis`` of each key's declaration in ``layers.layout``.
 3. ``fsdp`` takes the largest remaining axis that it divides (the first of equal ones); an array with no such
    axis (norm gains, scalars, a dimension too small) is replicated over ``fsdp``.
 
@@ -32,19 +33,13 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from mlx_llm.config import MESH_AXES, parse_mesh
 from mlx_llm.errors import ConfigError
+from mlx_llm.layers import layout
 
 BATCH_AXES = ("data", "fsdp")
 
-# Axis (counted without the stacked layer axis) that ``tensor`` splits, per parameter key.
-TENSOR_AXIS = {
-    "embed": 0, "unembed": 1,
-    "wq": 1, "wk": 1, "wv": 1, "wo": 0,
-    "w_gate": 1, "w_up": 1, "w_down": 0,
-    "expert_gate": 2, "expert_up": 2, "expert_down": 1,
-    "shared_gate": 2, "shared_up": 2, "shared_down": 1,
-    "in_x": 1, "in_z": 1, "conv_w": 1, "conv_b": 0, "w_dt": 0, "w_B": 0, "w_C": 0, "dt_proj": 1, "dt_bias": 0,
-    "A_log": 0, "D": 0, "out_proj": 0,
-}
+# Axis (counted without the stacked layer axis) that ``tensor`` splits, per parameter key: the ``tensor_axis``
+# of each key's declaration in ``layers.layout``.
+TENSOR_AXIS = layout.tensor_axes()
 
 
 def make_mesh(spec: str = "", devices=None) -> Mesh:

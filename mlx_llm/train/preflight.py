@@ -18,11 +18,14 @@ import math
 import os
 
 import jax
-import jax.numpy as jnp
 
 from mlx_llm.config import ModelConfig, TrainConfig
 from mlx_llm.errors import ConfigError
+from mlx_llm.kernels import backend_platform
+from mlx_llm.kernels.ssm_scan import resolve_ssm_scan
 from mlx_llm.scaling.accounting import train_flops_per_token
+from mlx_llm.train.parallel import batch_devices, check_batch_divisible, make_mesh
+from mlx_llm.train.step import abstract_step_args, compiled_train_step
 
 GiB = 2**30
 # Per-device HBM that XLA's TPU compiler reports as available (its CompileTimeHbmOom message), and whether
@@ -78,8 +81,6 @@ def local_target() -> Target:
     limit = (mine[0].memory_stats() or {}).get("bytes_limit")
     if limit is None:
         limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // len(mine)
-    from mlx_llm.kernels import backend_platform
-
     return Target("local", devices, backend_platform(devices[0].platform), int(limit))
 
 
@@ -95,9 +96,6 @@ def compile_step(cfg: ModelConfig, tcfg: TrainConfig, target: str | Target = "lo
                  mask_id: int | None = None) -> dict:
     """Compile the run's jitted train step for ``target`` from abstract shapes and report it (one dict: the
     keys of ``mlx-llm compile --json``). Nothing is allocated on any device."""
-    from mlx_llm.train.parallel import check_batch_divisible, make_mesh
-    from mlx_llm.train.step import abstract_step_args, compiled_train_step
-
     target = resolve_target(target) if isinstance(target, str) else target
     kernels = tcfg.kernels(target.platform, resolve=True)  # refuses a kernel the target cannot run
     mesh = make_mesh(tcfg.mesh, target.devices)
@@ -163,8 +161,6 @@ def report(cfg: ModelConfig, tcfg: TrainConfig, target: Target, mesh, compiled, 
 def resolved_ssm_scan(cfg: ModelConfig, platform: str) -> str | None:
     if "mamba" not in cfg.mixer_pattern:
         return None
-    from mlx_llm.kernels.ssm_scan import resolve_ssm_scan
-
     return resolve_ssm_scan(cfg.ssm_scan, platform)
 
 
@@ -244,8 +240,6 @@ def format_report(out: dict) -> str:
 def largest_batch(cfg: ModelConfig, tcfg: TrainConfig, target: str | Target, *, limit: int = 1024) -> int:
     """The largest batch size (a multiple of the batch shards, doubling then bisecting) whose step fits."""
     target = resolve_target(target) if isinstance(target, str) else target
-    from mlx_llm.train.parallel import batch_devices, make_mesh
-
     unit = batch_devices(make_mesh(tcfg.mesh, target.devices)) * tcfg.grad_accum
     fits = lambda n: compile_step(cfg, dataclasses.replace(tcfg, batch_size=n * unit), target)["fits"]  # noqa: E731
     lo, hi = 0, 1

@@ -23,7 +23,8 @@ from mlx_llm.config import ModelConfig, TrainConfig
 from mlx_llm.kernels import backend_platform
 from mlx_llm.objectives import diffusion
 from mlx_llm.model import hidden_states, init_params, logits_from_hidden, nll_from_hidden, resolved
-from mlx_llm.layers.moe import apply_offset_rule, zero_load
+from mlx_llm.layers.moe import apply_offset_rule
+from mlx_llm.post import lora as lora_lib
 from mlx_llm.train.optim import make_optimizer, strip_routing_state, warmup_cosine
 from mlx_llm.train.parallel import batch_sharding, global_batch, local_rows, replicated, tree_shardings
 
@@ -114,59 +115,92 @@ def summed_loss(params, batch, cfg: ModelConfig, compute_dtype) -> tuple[jax.Arr
     return loss_sum, n
 
 
-def make_train_step(cfg: ModelConfig, tcfg: TrainConfig, optimizer: optax.GradientTransformation,
-                    mask_id: int | None = None, lora_cfg=None, platform: str | None = None) -> Callable:
-    """(state, batch) → (state, metrics); not jitted here (see ``jit_train_step``).
+def lm_objective(cfg: ModelConfig, tcfg: TrainConfig, mask_id: int | None = None, lora_cfg=None,
+                 platform: str | None = None) -> Callable:
+    """The language-model objective in the loop's form (``make_update``): (trainable, frozen, micro-batch, key) →
+    (Σ loss, (count, expert load, {})). Without LoRA the trainable tree is the model and ``frozen`` is None; with
+    ``lora_cfg`` it is the adapters and ``frozen`` the base: W = W₀ + (α/r)·A·B, so the base is never
+    differentiated and the optimizer sees only A and B."""
+    objective = objective_fn(cfg, tcfg, jnp.dtype(tcfg.compute_dtype), mask_id, platform)
 
-    After the optimizer step the MoE balancing offsets follow M20 §15's control rule, with the expert loads
-    counted over the whole global batch of the step (every device, every micro-batch). The diffusion objective
-    draws its noise from the state's key folded with the step and the micro-batch index, so a resumed run
-    draws exactly what the uninterrupted one would have.
+    def fn(trainable, frozen, mb, key):
+        params = trainable if lora_cfg is None else lora_lib.adapted(frozen, trainable, lora_cfg)
+        loss_sum, (n, load) = objective(params, mb, key)
+        return loss_sum, (n, load, {})
 
-    With ``lora_cfg`` (post/lora.py) the state's params are the adapters and the step takes the frozen base as a
-    third argument: the loss is a function of the adapters alone (W = W₀ + (α/r)·A·B), so the base is never
-    differentiated and the optimizer sees only A and B. Otherwise the step is (state, batch).
-    ``platform`` ("cpu", "gpu", "tpu") resolves the "auto" execution paths (default: the default backend).
+    return fn
+
+
+def moe_offsets(cfg: ModelConfig, path: tuple[str, ...] = ()) -> Callable | None:
+    """M20 §15's control rule for the balancing offsets of the model at ``path`` of the trainable tree (() : the
+    tree is the model); None when the model has no MoE layer."""
+    if "moe" not in cfg.ffn_pattern:
+        return None
+
+    def apply(trainable, load):
+        if path:
+            return {**trainable, path[0]: moe_offsets(cfg, path[1:])(trainable[path[0]], load)}
+        return {**trainable, "blocks": apply_offset_rule(trainable["blocks"], load, cfg.offset_rate)}
+
+    return apply
+
+
+def make_update(objective: Callable, tcfg: TrainConfig, optimizer: optax.GradientTransformation, *,
+                offsets: Callable | None = None, count_name: str = "targets") -> Callable:
+    """(state, batch, frozen) → (state, metrics): the one optimizer step of every run kind; not jitted here.
+
+    ``objective(trainable, frozen, micro-batch, key) → (Σ loss, (count, expert load, {name: Σ metric}))`` sums
+    over its micro-batch; the step accumulates those sums over ``tcfg.grad_accum`` micro-batches (the batch's
+    leading axis split in order) and divides by the total count, so the loss is the mean over the whole step
+    whatever the split (M20 §10). The key is the state's key folded with the step and the micro-batch index, so
+    a resumed run draws exactly what the uninterrupted one would have. After the optimizer step ``offsets``
+    (``moe_offsets``) moves the MoE balancing offsets by the loads counted over the whole global batch.
     """
-    dtype = jnp.dtype(tcfg.compute_dtype)
-    objective = objective_fn(cfg, tcfg, dtype, mask_id, platform)
-    if lora_cfg is not None:
-        from mlx_llm.post import lora
-
-        inner = objective
-        objective = lambda adapters, mb, key, base: inner(lora.adapted(base, adapters, lora_cfg), mb, key)  # noqa: E731
     grad_fn = jax.value_and_grad(objective, has_aux=True)
     schedule = schedule_for(tcfg)
 
-    def accumulate(params, batch, key, *frozen):
+    def accumulate(params, frozen, batch, key):
         if tcfg.grad_accum == 1:
-            (loss_sum, (n, load)), grads = grad_fn(params, batch, jax.random.fold_in(key, 0), *frozen)
-            return loss_sum, n, load, grads
+            value, grads = grad_fn(params, frozen, batch, jax.random.fold_in(key, 0))
+            return value, grads
         micro = jax.tree.map(lambda a: a.reshape(tcfg.grad_accum, -1, *a.shape[1:]), batch)
 
         def body(carry, xs):
             mb, i = xs
-            (loss_sum, (n, load)), grads = grad_fn(params, mb, jax.random.fold_in(key, i), *frozen)
-            return jax.tree.map(jnp.add, carry, (loss_sum, n, load, grads)), None
+            return jax.tree.map(jnp.add, carry, grad_fn(params, frozen, mb, jax.random.fold_in(key, i))), None
 
-        load0 = zero_load((frozen[0] if frozen else params)["blocks"])
-        zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), load0, jax.tree.map(jnp.zeros_like, params))
+        shapes = jax.eval_shape(grad_fn, params, frozen, jax.tree.map(lambda a: a[0], micro), key)
+        zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
         return jax.lax.scan(body, zeros, (micro, jnp.arange(tcfg.grad_accum)))[0]
 
-    def train_step(state: TrainState, batch, *frozen):
+    def update(state: TrainState, batch, frozen):
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-        loss_sum, n, load, grads = accumulate(state.params, batch, key, *frozen)
+        (loss_sum, (n, load, sums)), grads = accumulate(state.params, frozen, batch, key)
         grads = jax.tree.map(lambda g: g / n, grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        if "moe" in cfg.ffn_pattern and lora_cfg is None:  # LoRA: the base's offsets stay frozen with it
-            params = {**params, "blocks": apply_offset_rule(params["blocks"], load, cfg.offset_rate)}
+        if offsets is not None:
+            params = offsets(params, load)
         metrics = {"loss": loss_sum / n, "grad_norm": optax.tree.norm(strip_routing_state(grads)),
-                   "lr": schedule(state.step), "targets": n, "expert_load": load}
+                   "lr": schedule(state.step), count_name: n, "expert_load": load,
+                   **{name: total / n for name, total in sums.items()}}
         new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, data_step=state.data_step + 1)
         return new, metrics
 
-    return train_step
+    return update
+
+
+def make_train_step(cfg: ModelConfig, tcfg: TrainConfig, optimizer: optax.GradientTransformation,
+                    mask_id: int | None = None, lora_cfg=None, platform: str | None = None) -> Callable:
+    """The language-model step (``make_update`` of ``lm_objective``): (state, batch) → (state, metrics), or with
+    ``lora_cfg`` (state, batch, base) → (state, metrics); not jitted here (see ``jit_train_step``). The MoE
+    offsets follow the control rule unless LoRA freezes them with the base. ``platform`` ("cpu", "gpu", "tpu")
+    resolves the "auto" execution paths (default: the default backend)."""
+    update = make_update(lm_objective(cfg, tcfg, mask_id, lora_cfg, platform), tcfg, optimizer,
+                         offsets=moe_offsets(cfg) if lora_cfg is None else None)
+    if lora_cfg is None:
+        return lambda state, batch: update(state, batch, None)
+    return update
 
 
 def abstract_state(cfg: ModelConfig, tcfg: TrainConfig, lora_cfg=None) -> TrainState:
@@ -175,9 +209,7 @@ def abstract_state(cfg: ModelConfig, tcfg: TrainConfig, lora_cfg=None) -> TrainS
     def build():
         params = None
         if lora_cfg is not None:
-            from mlx_llm.post import lora
-
-            params = lora.init(init_params(cfg, jax.random.key(0)), lora_cfg, jax.random.key(0))
+            params = lora_lib.init(init_params(cfg, jax.random.key(0)), lora_cfg, jax.random.key(0))
         return init_state(cfg, tcfg, optimizer_for(tcfg), params)
 
     return jax.eval_shape(build)

@@ -1,0 +1,274 @@
+"""What each ``mlx-llm`` subcommand does with its flags.
+
+The library is imported inside each command, not at the top of this module: ``mlx-llm --help`` (and a bad flag)
+then answers without importing jax (README, "Command line"). That is the one place mlx_llm imports inside
+functions on purpose.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from mlx_llm.cli.flags import flags_of, with_given
+from mlx_llm.cli.parser import POST_RECIPES, POST_SETTINGS
+from mlx_llm.config import ModelConfig, TrainConfig
+from mlx_llm.errors import MLXLLMError
+from mlx_llm.recipes import MAIN_JOB_MODEL, MAIN_JOB_TRAIN, MAIN_JOB_VOCAB
+from mlx_llm.runs.configs import DataSpec, LoRAConfig
+
+
+# ----- resuming: one rule for every training command --------------------------------------------------------
+def resumed_changes(args, given: dict, kind: str, parser) -> dict:
+    """On ``--resume``: every given setting must equal the run's (``runs.resume.check_unchanged``, flags named),
+    except the train fields of ``RESUME_MAY_CHANGE``, returned as the changes to apply."""
+    from mlx_llm.runs.record import open_run
+    from mlx_llm.runs.resume import RESUME_MAY_CHANGE, check_unchanged
+    from mlx_llm.train.checkpoint import check_run_dir
+
+    if args.out is None:
+        raise MLXLLMError("--resume needs --out DIR, the run directory to continue")
+    check_run_dir(args.out, resume=True)  # a run another process holds is refused first, naming it
+    run = open_run(args.out)
+    if run.kind != kind:
+        raise MLXLLMError(f"--resume continues a run exactly as it was configured: {args.out} is a {run.kind} run, "
+                          f"not a {kind} run (resume it with its own command)")
+    asked = {section: dict(fields) for section, fields in given.items()}
+    for flag, section, path in (("config", "model", getattr(args, "config", None)),
+                                ("train_config", "train", getattr(args, "train_config", None))):
+        if path is not None:  # a config file on resume: every field of it is compared
+            cls = ModelConfig if section == "model" else TrainConfig
+            asked[section] = {**cls.from_json(path).to_dict(), **asked.get(section, {})}
+    base = getattr(args, "base", None)
+    if base is not None and str(Path(base).resolve()) != run.record.base.run:
+        raise MLXLLMError(f"--resume continues a run exactly as it was configured: --base {base} is not the run's "
+                          f"base ({run.record.base.run})")
+    check_unchanged(run, asked, flags_of(parser))
+    return {k: v for k, v in given.get("train", {}).items() if k in RESUME_MAY_CHANGE}
+
+
+def lora_config(given: dict) -> LoRAConfig | None:
+    """LoRA is on when --lora-rank is given; --lora-alpha / --lora-targets without it would mean nothing."""
+    fields = given.get("lora", {})
+    if fields and "rank" not in fields:
+        raise MLXLLMError(f"{', '.join('--lora-' + k for k in sorted(fields))} set(s) LoRA adapters: give "
+                          f"--lora-rank R too (without it every weight is trained)")
+    return LoRAConfig(**fields) if fields else None
+
+
+# ----- train / eval / compile / generate ----------------------------------------------------------------------
+def cmd_train(args, given: dict, parser) -> int:
+    from mlx_llm.train.parallel import init_distributed, is_main_process
+    from mlx_llm.train.run import train_run
+
+    if args.distributed or any(v is not None for v in (args.coordinator, args.num_processes, args.process_id)):
+        init_distributed(args.coordinator, args.num_processes, args.process_id)
+        if args.out is None:
+            raise MLXLLMError("a multi-process run needs --out DIR (the same shared directory in every process)")
+    cfg = tcfg = spec = changes = None
+    if args.resume:
+        if args.time_budget is not None:
+            raise MLXLLMError("--time-budget sizes a new run; a resumed run keeps the steps it was given")
+        changes = resumed_changes(args, given, "pretrain", parser)
+    else:
+        cfg = ModelConfig.from_json(args.config) if args.config else MAIN_JOB_MODEL
+        tcfg = with_given(TrainConfig.from_json(args.train_config) if args.train_config else MAIN_JOB_TRAIN,
+                          given.get("train", {}))
+        spec = with_given(DataSpec(vocab_size=MAIN_JOB_VOCAB), given.get("data", {}))
+    out = args.out or Path("runs") / time.strftime("run-%Y%m%d-%H%M%S")
+    summary = train_run(out, cfg, tcfg, spec, resume=args.resume, show_progress=not args.no_progress,
+                        cache_dir=args.cache_dir, sample_prompt=args.prompt, sample_tokens=args.sample_tokens,
+                        time_budget=args.time_budget, changes=changes, from_step=args.from_step)
+    if not is_main_process():  # a multi-process run: process 0 reports
+        return 0
+    print(f"run: {out}")
+    bound = " (diffusion NELBO: upper bounds)" if _is_diffusion(out) else ""
+    print(f"val loss {summary['val_loss']:.4f} nats/token, perplexity {summary['val_ppl']:.2f}, "
+          f"bits/byte {summary['val_bpb']:.4f}{bound} (unigram baseline {summary['unigram_val_bpb']:.4f}); "
+          f"wall {summary['wall_seconds']:.0f} s")
+    print("sample:\n" + summary["sample"])
+    return 0
+
+
+def _is_diffusion(run_dir) -> bool:
+    from mlx_llm.runs.record import open_run
+
+    try:
+        return open_run(run_dir).tcfg.objective == "diffusion"
+    except MLXLLMError:
+        return False
+
+
+def kernels_of(given: dict):
+    """The execution paths of ``--attention-impl`` / ``--moe-impl`` / ``--loss-chunk`` (default auto), resolved
+    for this backend (a kernel it cannot run is refused here, before any work)."""
+    from mlx_llm.kernels import Kernels
+
+    return Kernels(**{"attention_impl": "auto", "moe_impl": "auto", "loss_chunk": "auto",
+                      **given.get("train", {})}).resolve()
+
+
+def cmd_eval(args, given: dict, parser) -> int:
+    from mlx_llm.train.run import evaluate_run
+
+    step, res = evaluate_run(args.run, cache_dir=args.cache_dir, step=args.step, kernels=kernels_of(given))
+    bound = " (diffusion NELBO: upper bounds)" if _is_diffusion(args.run) else ""
+    print(f"{args.run} step {step}: val loss {res.loss:.4f} nats/token, perplexity {res.perplexity:.3f}, "
+          f"bits/byte {res.bits_per_byte:.4f}{bound} ({res.n_targets:,} tokens, {res.n_bytes:,} bytes)")
+    return 0
+
+
+def cmd_compile(args, given: dict, parser) -> int:
+    """The pre-flight check: exit 0 when the step fits the target, 1 (one line: by how much, what helps) when not."""
+    from mlx_llm.train.preflight import advice, compile_step, format_report
+
+    cfg = ModelConfig.from_json(args.config) if args.config else MAIN_JOB_MODEL
+    tcfg = with_given(TrainConfig.from_json(args.train_config) if args.train_config else MAIN_JOB_TRAIN,
+                      given.get("train", {}))
+    out = compile_step(cfg, tcfg, args.target)
+    print(json.dumps(out, indent=2) if args.json else format_report(out))
+    if not out["fits"]:
+        print(f"mlx-llm compile: {advice(out)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_generate(args, given: dict, parser) -> int:
+    from mlx_llm.runs.sample import generate_from_run
+
+    record = generate_from_run(args.run, args.prompt, max_new_tokens=args.max_new_tokens,
+                               temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                               beam_width=args.beam, seed=args.seed, step=args.step,
+                               diffusion_steps=args.diffusion_steps, sampler=args.sampler,
+                               kernels=kernels_of(given))
+    print(json.dumps(record, indent=2) if args.json else args.prompt + record["continuation"])
+    return 0
+
+
+# ----- fine-tuning and preference runs ------------------------------------------------------------------------
+def cmd_post(args, given: dict, parser) -> int:
+    """sft / reward / dpo / rl: a new run from --base, or --resume of one (settings checked by the one rule)."""
+    from mlx_llm.post import dpo, reward, rl, sft
+
+    kind = args.command
+    run_fn = {"sft": sft.sft_run, "reward": reward.reward_run, "dpo": dpo.dpo_run, "rl": rl.rl_run}[kind]
+    common = dict(show_progress=not args.no_progress, from_step=args.from_step)
+    if args.resume:
+        summary = run_fn(args.out, resume=True, changes=resumed_changes(args, given, kind, parser), **common)
+    else:
+        settings = given.get("settings", {})
+        if args.base is None or (kind != "rl" and not {"data", "task"} & settings.keys()) or (
+                kind == "rl" and "task" not in settings):
+            need = "--task NAME" if kind == "rl" else "one of --data FILE.jsonl / --task NAME"
+            raise MLXLLMError(f"{kind} needs --base RUN and {need}")
+        tcfg = with_given(POST_RECIPES[kind], given.get("train", {}))
+        summary = run_fn(args.out, args.base, tcfg=tcfg, settings=POST_SETTINGS[kind](**settings),
+                         lora_cfg=lora_config(given), **common)
+    print(post_report(kind, args.out, summary))
+    _print_heldout(summary)
+    return 0
+
+
+def post_report(kind: str, out, summary: dict) -> str:
+    if kind == "sft":
+        return (f"run: {out}; trainable parameters {summary['trainable_params']:,}; val loss (response tokens) "
+                f"{summary['val_loss']:.4f}")
+    if kind == "reward":
+        return (f"run: {out}; held-out preference accuracy {summary['val_accuracy']:.1%} (Bradley–Terry loss "
+                f"{summary['val_loss']:.4f})")
+    if kind == "dpo":
+        return (f"run: {out}; held-out pairs: preference accuracy {summary['val_accuracy']:.1%}, implicit reward "
+                f"margin {summary['val_margin']:.4f}, loss {summary['val_loss']:.4f}")
+    if summary.get("reward") is None:  # a resumed run that had nothing left to train
+        return f"run: {out}; finished at step {summary['steps']}"
+    return (f"run: {out}; last step: reward {summary['reward']:.3f}, KL to the reference {summary['kl']:.4f}, "
+            f"reply length {summary['response_length']:.1f}")
+
+
+def _print_heldout(summary: dict) -> None:
+    """The held-out task accuracy of a fine-tuning run's summary, and its base's when measured."""
+    if "heldout_accuracy" in summary:
+        before = summary.get("base_heldout_accuracy")
+        of = f" of {summary['heldout_examples']}" if "heldout_examples" in summary else ""
+        print(f"held-out exact match {summary['heldout_accuracy']:.1%}{of}"
+              + ("" if before is None else f" (base: {before:.1%})"))
+
+
+# ----- reading and writing runs -------------------------------------------------------------------------------
+def cmd_eval_task(args, given: dict, parser) -> int:
+    from mlx_llm.post.loop import run_template
+    from mlx_llm.post.sft import eval_task
+    from mlx_llm.runs.load import load_params
+    from mlx_llm.runs.record import open_run
+    from mlx_llm.train import tokenizer as tok_lib
+
+    run = open_run(args.run)
+    res = eval_task(load_params(run), run.cfg, tok_lib.load(run.path), args.task, run_template(run.record),
+                    n=args.examples)
+    print(f"{args.run} on {args.task}: held-out exact match {res['accuracy']:.1%} ({res['correct']} of {res['n']})")
+    return 0
+
+
+def cmd_chat(args, given: dict, parser) -> int:
+    import numpy as np
+
+    from mlx_llm.decode.generate import generate
+    from mlx_llm.post.loop import run_template
+    from mlx_llm.runs.load import load_params
+    from mlx_llm.runs.record import open_run
+    from mlx_llm.train import tokenizer as tok_lib
+
+    run = open_run(args.run)
+    run.require_language_model("chat")
+    cfg, template = run.cfg, run_template(run.record)
+    tok, params = tok_lib.load(run.path), load_params(run)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print("chat with", args.run, "(an empty line or Ctrl-D ends)")
+    while True:
+        try:
+            line = input("you> ").strip()
+        except EOFError:
+            return 0
+        if not line:
+            return 0
+        messages.append({"role": "user", "content": line})
+        ids, _ = template.encode(messages, tok, generation_prompt=True)
+        n_new = min(args.max_new_tokens, cfg.max_seq_len - len(ids))
+        if n_new < 1:
+            print("(the conversation has reached the model's max_seq_len; start a new one)")
+            return 0
+        out = generate(params, cfg, ids[None], n_new, temperature=args.temperature,
+                       eos_id=tok.token_id(template.end), pad_id=tok.pad_id)
+        text = tok.decode(np.asarray(out.tokens[0])[: int(out.lengths[0])], skip_special=True)
+        print("model>", text)
+        messages.append({"role": "assistant", "content": text if text.strip() else "…"})
+
+
+def cmd_export_merged(args, given: dict, parser) -> int:
+    from mlx_llm.runs.load import merge_run
+
+    print(f"wrote {merge_run(args.run, args.out)}")
+    return 0
+
+
+def cmd_export(args, given: dict, parser) -> int:
+    from mlx_llm.interop.hf import export_run
+
+    out = export_run(args.run, args.to, step=args.step)
+    print(f"wrote {out}: load it with transformers' AutoModelForCausalLM.from_pretrained and AutoTokenizer")
+    return 0
+
+
+def cmd_import(args, given: dict, parser) -> int:
+    from mlx_llm.interop.hf import import_hf
+
+    print(f"wrote {import_hf(args.source, args.out)}: a run (mlx-llm generate / eval / sft --base take it)")
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "compile": cmd_compile, "generate": cmd_generate,
+            "sft": cmd_post, "reward": cmd_post, "dpo": cmd_post, "rl": cmd_post, "eval-task": cmd_eval_task,
+            "chat": cmd_chat, "export-merged": cmd_export_merged, "export": cmd_export, "import": cmd_import}
+TRAINING = frozenset({"train", "sft", "reward", "dpo", "rl"})  # Ctrl-C keeps their last checkpoint

@@ -1,0 +1,155 @@
+"""The ``mlx-llm`` argument parser: each subcommand's flags are generated from the configs it takes
+(``flags.add_config_flags``), plus the few that are not config fields (paths, --resume, output switches).
+
+A subcommand has exactly the flags it honours: the preference commands take no ``--objective`` (they train
+next-token models) nor ``--compute-dtype`` (their objectives run in float32), ``rl`` no ``--eval-tokens`` (it
+evaluates held-out task examples, ``--eval-examples``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from mlx_llm.cli.flags import add_config_flags
+from mlx_llm.config import TrainConfig
+from mlx_llm.post.tasks import TASKS
+from mlx_llm.recipes import MAIN_JOB_TRAIN, MAIN_JOB_VOCAB, PREF_TRAIN, SFT_TRAIN
+from mlx_llm.runs.configs import DataSpec, DPOConfig, LoRAConfig, RewardConfig, RLConfig, SFTConfig
+
+KERNEL_FIELDS = ("attention_impl", "moe_impl", "loss_chunk")
+COMPILE_FIELDS = ("batch_size", "seq_len", "grad_accum", "mesh", "remat", "compute_dtype", "objective",
+                  *KERNEL_FIELDS)
+POST_SETTINGS = {"sft": SFTConfig, "reward": RewardConfig, "dpo": DPOConfig, "rl": RLConfig}
+POST_RECIPES = {"sft": SFT_TRAIN, **PREF_TRAIN}
+POST_EXCLUDED = {"sft": ("objective",), "reward": ("objective", "compute_dtype"),
+                 "dpo": ("objective", "compute_dtype"), "rl": ("objective", "compute_dtype", "eval_tokens")}
+POST_HELP = {"sft": "fine-tune a run on conversations (full or LoRA)",
+             "reward": "train a Bradley–Terry reward model on preference pairs",
+             "dpo": "direct preference optimisation of a run on preference pairs",
+             "rl": "KL-leashed on-policy RL of a run on a task (checker or reward-model reward)"}
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not usage + message
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def add_run_flags(p, *, out_required: bool) -> None:
+    """--out, --resume, --from-step, --no-progress: where a training command writes and how it continues."""
+    p.add_argument("--out", type=Path, required=out_required, help="run directory" + (
+        "" if out_required else " (default: runs/run-<date>-<time>)"))
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint; "
+                   "a setting given with it must equal the run's, except --steps (which extends the run), --mesh, "
+                   "--remat and the kernel flags")
+    p.add_argument("--from-step", type=int, metavar="N", help="with --resume: continue from checkpoint N, not the "
+                   "latest (e.g. when the latest is damaged); later checkpoints are renamed aside, not deleted")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_train(sub) -> None:
+    tr = sub.add_parser("train", help="train a model (defaults: the ~5-minute main job on the Python stdlib)")
+    tr.add_argument("--config", type=Path, help="model config.json (default: the main job's model)")
+    tr.add_argument("--train-config", type=Path, help="train_config.json under the flags (default: the main job's "
+                    "settings)")
+    add_run_flags(tr, out_required=False)
+    tr.add_argument("--cache-dir", type=Path, help="token cache (default ~/.cache/mlx_llm)")
+    tr.add_argument("--prompt", default="def ", help="prompt of the closing sample (default %(default)r)")
+    tr.add_argument("--sample-tokens", type=int, default=200, help="tokens of the closing sample (default "
+                    "%(default)s)")
+    tr.add_argument("--time-budget", type=float, metavar="SECONDS", help="set --steps to what fits SECONDS of "
+                    "training loop on this machine (measured first)")
+    add_config_flags(tr, TrainConfig, "train", shown=MAIN_JOB_TRAIN)
+    add_config_flags(tr.add_argument_group("data"), DataSpec, "data", shown=DataSpec(vocab_size=MAIN_JOB_VOCAB))
+    dist = tr.add_argument_group("several processes (README, 'Several machines')")
+    dist.add_argument("--distributed", action="store_true", help="join a multi-process run (jax.distributed): "
+                      "settings from the flags below, else from JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / "
+                      "JAX_PROCESS_ID, else JAX's cluster detection")
+    dist.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address (implies --distributed)")
+    dist.add_argument("--num-processes", type=int, help="processes in the run (implies --distributed)")
+    dist.add_argument("--process-id", type=int, help="this process's index, 0 … N−1 (implies --distributed)")
+
+
+def add_post(sub, kind: str) -> None:
+    """sft, reward, dpo, rl: the base run, the kind's settings, LoRA, and the train config without what the
+    kind cannot honour (``POST_EXCLUDED``)."""
+    pp = sub.add_parser(kind, help=POST_HELP[kind])
+    pp.add_argument("--base", type=Path, help="the run to start from (pretrained, SFT, DPO, RL, merged or imported)")
+    add_run_flags(pp, out_required=True)
+    cls = POST_SETTINGS[kind]
+    source = pp.add_mutually_exclusive_group()
+    groups = {"data": source, "task": source} if kind != "rl" else {}
+    add_config_flags(pp, cls, "settings", groups=groups)
+    add_config_flags(pp.add_argument_group("LoRA"), LoRAConfig, "lora", prefix="lora_")
+    add_config_flags(pp.add_argument_group("training"), TrainConfig, "train", shown=POST_RECIPES[kind],
+                     exclude=POST_EXCLUDED[kind])
+
+
+def add_inspect(sub) -> None:
+    """eval, compile, eval-task, chat: commands that read a run (or a config) and train nothing."""
+    ev = sub.add_parser("eval", help="val loss, perplexity and bits per byte of a run's latest checkpoint")
+    ev.add_argument("--run", type=Path, required=True, help="the run directory")
+    ev.add_argument("--step", type=int, help="checkpoint step (default: latest)")
+    ev.add_argument("--cache-dir", type=Path, help="token cache (default ~/.cache/mlx_llm)")
+    add_config_flags(ev, TrainConfig, "train", shown=TrainConfig(), only=KERNEL_FIELDS)
+    co = sub.add_parser("compile", help="pre-flight: compile a configuration's train step ahead of time (for the "
+                        "local devices or a TPU topology) and print its per-device memory")
+    co.add_argument("--config", type=Path, help="model config.json (default: the main job's model)")
+    co.add_argument("--train-config", type=Path, help="train_config.json (default: the main job's settings)")
+    co.add_argument("--target", default="local", help="local (default) or tpu:<generation>-<N>, e.g. tpu:v5e-4, "
+                    "tpu:v5p-16, tpu:v6e-4 (N: chips for v5e/v6e, TensorCores for v4/v5p)")
+    co.add_argument("--json", action="store_true", help="print one JSON object")
+    add_config_flags(co, TrainConfig, "train", shown=MAIN_JOB_TRAIN, only=COMPILE_FIELDS)
+    et = sub.add_parser("eval-task", help="held-out exact match of a run on a built-in task")
+    et.add_argument("--run", type=Path, required=True, help="the run directory")
+    et.add_argument("--task", choices=TASKS, required=True, help="a built-in task (mlx_llm.post.tasks)")
+    et.add_argument("--eval-examples", "--examples", dest="examples", type=int,
+                    help="how many held-out examples (default: all)")
+    ch = sub.add_parser("chat", help="a terminal chat with a run, over the chat template")
+    ch.add_argument("--run", type=Path, required=True, help="the run directory")
+    ch.add_argument("--max-new-tokens", type=int, default=128, help="reply length limit (default %(default)s)")
+    ch.add_argument("--temperature", type=float, help="sampling temperature (omit for greedy decoding)")
+    ch.add_argument("--system", help="a system message")
+
+
+def add_files(sub) -> None:
+    """export-merged, export, import, generate."""
+    mg = sub.add_parser("export-merged", help="write a plain run with a LoRA run's adapters folded in (SFT, DPO "
+                        "or RL)")
+    mg.add_argument("--run", type=Path, required=True, help="the LoRA run")
+    mg.add_argument("--out", type=Path, required=True, help="a new run directory")
+    hx = sub.add_parser("export", help="write a run as a Hugging Face transformers checkpoint (Llama, Mamba or "
+                        "Mixtral; safetensors)")
+    hx.add_argument("--run", type=Path, required=True, help="the run directory")
+    hx.add_argument("--to", type=Path, required=True, help="a new directory for from_pretrained")
+    hx.add_argument("--step", type=int, help="checkpoint step (default: latest)")
+    hi = sub.add_parser("import", help="a transformers checkpoint directory (Llama, Mamba or Mixtral; safetensors) "
+                        "as a run")
+    hi.add_argument("--from", dest="source", type=Path, required=True, help="the transformers checkpoint directory")
+    hi.add_argument("--out", type=Path, required=True, help="a new run directory")
+    ge = sub.add_parser("generate", help="continue a prompt with a trained run")
+    ge.add_argument("--run", type=Path, required=True, help="the run directory")
+    ge.add_argument("--prompt", required=True, help="the text to continue")
+    ge.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate (default %(default)s)")
+    ge.add_argument("--temperature", type=float, help="sampling temperature (omit for greedy decoding)")
+    ge.add_argument("--top-k", type=int, help="sample among the k most likely tokens (autoregressive runs)")
+    ge.add_argument("--top-p", type=float, help="nucleus sampling: the smallest set of mass ≥ p (autoregressive)")
+    ge.add_argument("--beam", type=int, help="beam width (beam search; excludes sampling settings)")
+    ge.add_argument("--diffusion-steps", type=int, help="denoising steps S (diffusion runs; default 64)")
+    ge.add_argument("--sampler", choices=("ancestral", "remask"), help="diffusion sampler (diffusion runs; default "
+                    "ancestral)")
+    ge.add_argument("--seed", type=int, default=0, help="seed of the sampler (>= 0; default %(default)s)")
+    ge.add_argument("--step", type=int, help="checkpoint step (default: latest)")
+    ge.add_argument("--json", action="store_true", help="print the result and how to reproduce it as JSON")
+    add_config_flags(ge, TrainConfig, "train", shown=TrainConfig(), only=KERNEL_FIELDS)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = Parser(prog="mlx-llm", description="Train, evaluate and sample a MiniLLM.")
+    sub = ap.add_subparsers(dest="command", required=True, parser_class=Parser)
+    add_train(sub)
+    for kind in POST_SETTINGS:
+        add_post(sub, kind)
+    add_inspect(sub)
+    add_files(sub)
+    return ap

@@ -1,0 +1,29 @@
+"""Initialising the arrays of the layout (layers/layout.py declares them; this module draws them). Kept apart so
+that the layout — and with it the configs' parameter counts and the CLI — imports no jax."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from mlx_llm.layers.layout import ParamInfo, present, shape
+
+
+def init_array(info: ParamInfo, cfg, normal, dtype, lead: tuple[int, ...] = (), rules=None):
+    """One array of shape ``lead`` + its shape: its draw ``normal(shape, std)`` (if it takes one), then its init.
+    ``rules`` maps the names of non-built-in inits to ``rule(shape, dtype, draw)``."""
+    full = (*lead, *shape(info, cfg))
+    z = normal(full, info.std(cfg)) if info.draws else None
+    if info.init == "normal":
+        return z
+    if info.init in ("ones", "zeros"):
+        return (jnp.ones if info.init == "ones" else jnp.zeros)(full, dtype)
+    if rules is None or info.init not in rules:
+        raise ValueError(f"no rule for init {info.init!r}: pass it in ``rules``")
+    return rules[info.init](full, dtype, z)
+
+
+def init_table(table: dict[str, ParamInfo], cfg, normal, L: int, dtype, rules=None) -> dict:
+    """Every array of one kind for L stacked layers, drawn in table order (``draws(table)`` calls of ``normal``);
+    absent arrays are drawn too (empty, for S = 0) and left out."""
+    arrays = {k: init_array(info, cfg, normal, dtype, (L,), rules) for k, info in table.items()}
+    return {k: v for k, v in arrays.items() if present(table[k], cfg)}

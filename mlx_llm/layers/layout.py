@@ -1,0 +1,240 @@
+"""The parameter layout of DESIGN §1, declared once per layer kind: every array's shape, initialiser, role,
+tensor-parallel axis and LoRA form, in one table per kind ("attn", "mamba", "swiglu", "moe", "none") and one
+for the top level (``embed``, ``final_norm``, ``unembed``).
+
+Everything else that depends on the layout is derived from these tables: each layer's ``init`` (through layers/initializers.py) and the number
+of random draws ``model.init_params`` splits its key into (``init_table``, ``draws``), the tensor axis of
+``train.parallel.param_spec`` (``tensor_axes``), the LoRA targets (``lora_targets``), the parameter counts of
+``ModelConfig`` and ``scaling.accounting`` (``count``, ``stack_count``) and the whole tree's shapes
+(``param_shapes``). Adding a weight means adding one ``ParamInfo`` here (and using it in the layer's forward).
+
+Shapes are per layer (no stacked L axis) and name their dimensions (``DIMS``): V vocab, D model width, H query
+heads, G key/value heads, K head width, F FFN width, X routed experts, S shared experts, M expert width
+(``moe_d_ff``), I SSM inner width, N state size, W conv width, R Δ rank, k experts a token runs.
+
+Initialisers (the reasons are in ``model``'s docstring): projections N(0, 1/fan_in), the residual writers
+(W^O, W_down, the experts' down projections, Mamba's out_proj) also × 1/√(2·n_layers) (GPT-2); norm gains 1
+(M20 §4); Mamba as published (Gu & Dao 2023): A_log from S4D-real, D = 1, conv_b = 0, Δ log-uniform through
+``dt_bias``; MoE offsets 0 (M20 §15). Each array with a ``std`` takes exactly one N(0, std²) draw, in table
+order (the order of the keys), so a table fixes the key stream: reordering it changes every seed's parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+# Dimension name → ModelConfig field ("I" is computed: ``ssm_inner`` if the object has one, else ssm_expand·d).
+DIMS = {"V": "vocab_size", "D": "d_model", "H": "n_heads", "G": "n_kv_heads", "K": "d_head", "F": "d_ff",
+        "X": "n_experts", "S": "n_shared_experts", "M": "moe_d_ff", "k": "moe_top_k", "N": "ssm_state",
+        "W": "ssm_conv", "R": "ssm_dt_rank"}
+# table: embedding / unembedding; matmul: a weight of a matrix product x·W; elementwise: depthwise conv, biases,
+# A_log, D; norm: an RMSNorm gain (no weight decay); state: routing state, not θ (no AdamW, not counted).
+ROLES = ("table", "matmul", "elementwise", "norm", "state")
+THETA = ("table", "matmul", "elementwise", "norm")  # the roles of trainable parameters θ
+INITS = ("normal", "ones", "zeros")  # built in; any other name is a rule the layer's module supplies
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamInfo:
+    """One array of the layout.
+
+    dims: the per-layer shape, as names of ``DIMS``. init: "normal" (the draw itself), "ones", "zeros", or the
+    name of a rule the layer module passes to ``init_table`` (it receives the draw, if any). std: σ(cfg) of the
+    one N(0, σ²) draw the array takes (None: no draw). role: one of ``ROLES``. tensor_axis: the axis (per layer)
+    that the mesh's ``tensor`` axis splits (heads, FFN/expert/SSM width, vocabulary), or None (replicated).
+    lora_in: as a LoRA target, how many leading axes are inputs (the rest are outputs), or None (not a target).
+    routed: axis 0 holds the X routed experts, of which one token runs k (active counts). present: whether the
+    array exists for a config (None: always); an array with a zero-size dimension is absent too.
+    """
+
+    dims: tuple[str, ...]
+    init: str = "normal"
+    std: Callable[[Any], float] | None = None
+    role: str = "matmul"
+    tensor_axis: int | None = None
+    lora_in: int | None = None
+    routed: bool = False
+    present: Callable[[Any], bool] | None = None
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"ParamInfo role {self.role!r} is invalid: valid roles are {list(ROLES)}")
+        if self.init in ("ones", "zeros") and self.std is not None:
+            raise ValueError(f"ParamInfo init {self.init!r} takes no random draw, but std is set")
+        if self.init == "normal" and self.std is None:
+            raise ValueError("ParamInfo init 'normal' needs a std")
+        for axis, low in ((self.tensor_axis, 0), (self.lora_in, 1)):  # LoRA keeps ≥ 1 input and ≥ 1 output axis
+            if axis is not None and not low <= axis < len(self.dims):
+                raise ValueError(f"ParamInfo axis {axis} is outside the {len(self.dims)} axes of {self.dims}")
+
+    @property
+    def draws(self) -> bool:
+        return self.std is not None
+
+    @property
+    def decayed(self) -> bool:
+        """AdamW's weight decay applies (M20 §12): every θ array but the norm gains."""
+        return self.role not in ("norm", "state")
+
+
+# ----- initial scales ---------------------------------------------------------------------------------------
+def fan_in(*dims: str, residual: bool = False) -> Callable[[Any], float]:
+    """σ = 1/√fan_in, fan_in = the product of ``dims``; a residual writer also × 1/√(2·n_layers) (GPT-2)."""
+
+    def std(cfg) -> float:
+        fan = math.prod(dim(n, cfg) for n in dims)
+        if residual:
+            return (1.0 / math.sqrt(2 * cfg.n_layers)) / math.sqrt(fan)
+        return 1 / math.sqrt(fan)
+
+    return std
+
+
+def unit_std(cfg) -> float:
+    """σ = 1 (a standard normal draw that a rule then transforms, e.g. Mamba's Δ)."""
+    return 1.0
+
+
+def embed_std(cfg) -> float:
+    """E ~ N(0, 1) untied; N(0, 1/d) tied, where E is also the output projection (unit-scale logits)."""
+    return 1.0 / math.sqrt(cfg.d_model) if cfg.tie_embeddings else 1.0
+
+
+def untied(cfg) -> bool:
+    """``unembed`` exists only when the embeddings are untied (tied: U = Eᵀ)."""
+    return not cfg.tie_embeddings
+
+
+# ----- the declarations ---------------------------------------------------------------------------------
+_NORM = ParamInfo(("D",), "ones", role="norm")
+
+TOP = {
+    "embed": ParamInfo(("V", "D"), std=embed_std, role="table", tensor_axis=0),
+    "final_norm": _NORM,
+    "unembed": ParamInfo(("D", "V"), std=fan_in("D"), role="table", tensor_axis=1, present=untied),
+}
+
+ATTN = {  # M20 §5–§6: Q = X W^Q, K = X W^K, V = X W^V per head; A = Concat(O) W^O
+    "attn_norm": _NORM,
+    "wq": ParamInfo(("D", "H", "K"), std=fan_in("D"), tensor_axis=1, lora_in=1),
+    "wk": ParamInfo(("D", "G", "K"), std=fan_in("D"), tensor_axis=1, lora_in=1),
+    "wv": ParamInfo(("D", "G", "K"), std=fan_in("D"), tensor_axis=1, lora_in=1),
+    "wo": ParamInfo(("H", "K", "D"), std=fan_in("H", "K", residual=True), tensor_axis=0, lora_in=2),
+}
+
+SWIGLU = {  # M20 §7: F(y) = (SiLU(y W_gate) ⊙ y W_up) W_down
+    "ffn_norm": _NORM,
+    "w_gate": ParamInfo(("D", "F"), std=fan_in("D"), tensor_axis=1, lora_in=1),
+    "w_up": ParamInfo(("D", "F"), std=fan_in("D"), tensor_axis=1, lora_in=1),
+    "w_down": ParamInfo(("F", "D"), std=fan_in("F", residual=True), tensor_axis=0, lora_in=1),
+}
+
+MOE = {  # M20 §15, U19 §3: router, offsets, X routed and S shared SwiGLU experts (shared absent when S = 0)
+    "ffn_norm": _NORM,
+    "router": ParamInfo(("D", "X"), std=fan_in("D")),
+    "router_offset": ParamInfo(("X",), "zeros", role="state"),
+    "expert_gate": ParamInfo(("X", "D", "M"), std=fan_in("D"), tensor_axis=2, routed=True),
+    "expert_up": ParamInfo(("X", "D", "M"), std=fan_in("D"), tensor_axis=2, routed=True),
+    "expert_down": ParamInfo(("X", "M", "D"), std=fan_in("M", residual=True), tensor_axis=1, routed=True),
+    "shared_gate": ParamInfo(("S", "D", "M"), std=fan_in("D"), tensor_axis=2),
+    "shared_up": ParamInfo(("S", "D", "M"), std=fan_in("D"), tensor_axis=2),
+    "shared_down": ParamInfo(("S", "M", "D"), std=fan_in("M", residual=True), tensor_axis=1),
+}
+
+MAMBA = {  # M20 §19, Gu & Dao 2023 (layers/mamba.py): rules "dt_bias" and "A_log" come from mamba.init
+    "ssm_norm": _NORM,
+    "in_x": ParamInfo(("D", "I"), std=fan_in("D"), tensor_axis=1, lora_in=1),
+    "in_z": ParamInfo(("D", "I"), std=fan_in("D"), tensor_axis=1, lora_in=1),
+    "conv_w": ParamInfo(("W", "I"), std=fan_in("W"), role="elementwise", tensor_axis=1),
+    "conv_b": ParamInfo(("I",), "zeros", role="elementwise", tensor_axis=0),
+    "w_dt": ParamInfo(("I", "R"), std=fan_in("I"), tensor_axis=0),
+    "w_B": ParamInfo(("I", "N"), std=fan_in("I"), tensor_axis=0),
+    "w_C": ParamInfo(("I", "N"), std=fan_in("I"), tensor_axis=0),
+    "dt_proj": ParamInfo(("R", "I"), std=fan_in("R"), tensor_axis=1),
+    "dt_bias": ParamInfo(("I",), "dt_bias", std=unit_std, role="elementwise", tensor_axis=0),
+    "A_log": ParamInfo(("I", "N"), "A_log", role="elementwise", tensor_axis=0),
+    "D": ParamInfo(("I",), "ones", role="elementwise", tensor_axis=0),
+    "out_proj": ParamInfo(("I", "D"), std=fan_in("I", residual=True), tensor_axis=0, lora_in=1),
+}
+
+KINDS = {"attn": ATTN, "mamba": MAMBA, "swiglu": SWIGLU, "moe": MOE, "none": {}}
+
+
+def entries() -> dict[str, ParamInfo]:
+    """Every declared key → its ParamInfo (top level, then attn, swiglu, moe, mamba). A key that several kinds
+    declare (``ffn_norm``) must mean the same there: its shape, role, tensor axis and LoRA form agree."""
+    out: dict[str, ParamInfo] = {}
+    for table in (TOP, ATTN, SWIGLU, MOE, MAMBA):
+        for key, info in table.items():
+            if key in out and out[key] != info:
+                raise ValueError(f"layout key {key!r} is declared twice with different meanings")
+            out[key] = info
+    return out
+
+
+# ----- shapes and counts ----------------------------------------------------------------------------------
+def dim(name: str, cfg) -> int:
+    """The size of dimension ``name`` (``DIMS``) for a config-like object."""
+    if name == "I":
+        inner = getattr(cfg, "ssm_inner", None)
+        return cfg.ssm_expand * cfg.d_model if inner is None else inner
+    return getattr(cfg, DIMS[name])
+
+
+def shape(info: ParamInfo, cfg, *, active: bool = False) -> tuple[int, ...]:
+    """The per-layer shape; ``active`` counts only the k of X routed experts one token runs."""
+    return tuple(dim("k" if active and info.routed and n == "X" else n, cfg) for n in info.dims)
+
+
+def present(info: ParamInfo, cfg) -> bool:
+    """Whether the array is part of ``cfg``'s parameters (its predicate holds and no dimension is 0)."""
+    return (info.present is None or info.present(cfg)) and math.prod(shape(info, cfg)) > 0
+
+
+def count(table: dict[str, ParamInfo], cfg, *, active: bool = False, roles=THETA) -> int:
+    """Scalars of one layer of a kind (or of the top level) in the given roles: Σ ∏ shape over present arrays."""
+    return sum(math.prod(shape(info, cfg, active=active)) for info in table.values()
+               if info.role in roles and present(info, cfg))
+
+
+def stack_count(cfg, *, active: bool = False, roles=THETA) -> int:
+    """``count`` summed over every layer of the stack: Σ_ℓ (mixer_ℓ + FFN_ℓ)."""
+    return sum(count(KINDS[m], cfg, active=active, roles=roles) + count(KINDS[f], cfg, active=active, roles=roles)
+               for m, f in (cfg.layer_kinds(l) for l in range(cfg.n_layers)))
+
+
+def matrix_shape(info: ParamInfo, shape_: tuple[int, ...]) -> tuple[int, int]:
+    """(d_in, d_out) of a LoRA target's per-layer weight ``shape_``: its ``lora_in`` leading axes are inputs."""
+    return math.prod(shape_[:info.lora_in]), math.prod(shape_[info.lora_in:])
+
+
+def param_shapes(cfg) -> dict:
+    """The shapes of the whole parameter tree of ``cfg`` (DESIGN §1): what ``model.init_params`` returns."""
+    n_groups = cfg.n_layers // cfg.period
+
+    def layer(table):
+        return {k: (n_groups, *shape(i, cfg)) for k, i in table.items() if present(i, cfg)}
+
+    groups = [{**layer(KINDS[m]), **layer(KINDS[f])} for m, f in cfg.group_kinds]
+    top = {k: shape(i, cfg) for k, i in TOP.items() if present(i, cfg)}
+    return {"embed": top["embed"], "blocks": groups[0] if cfg.uniform else groups,
+            **{k: v for k, v in top.items() if k != "embed"}}
+
+
+# ----- derived tables --------------------------------------------------------------------------------------
+def draws(table: dict[str, ParamInfo]) -> int:
+    """Random draws one layer of a kind (or the top level) takes, absent arrays included (they keep the key
+    stream of the others fixed: a tied ``unembed``'s key is reserved, S = 0 shared experts draw empty arrays)."""
+    return sum(info.draws for info in table.values())
+
+
+def tensor_axes() -> dict[str, int]:
+    """Key → the per-layer axis the ``tensor`` mesh axis splits, for every key that has one."""
+    return {k: i.tensor_axis for k, i in entries().items() if i.tensor_axis is not None}
+
+
+def lora_targets() -> dict[str, int]:
+    """LoRA target key → its number of input axes, for every weight LoRA may adapt."""
+    return {k: i.lora_in for k, i in entries().items() if i.lora_in is not None}

@@ -1,0 +1,204 @@
+"""The validated settings of each run kind, stored whole in the run record (``run.json``) and read back on resume.
+
+Every field is documented in its ``metadata["help"]`` (``config.setting``): the CLI builds its flags from these
+fields (mlx_llm/cli), so a flag and its field cannot drift apart. Paths are stored absolute, so a resume from another directory finds
+the same files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+from mlx_llm.config import JsonConfig, setting
+from mlx_llm.errors import ConfigError
+from mlx_llm.layers import layout
+from mlx_llm.post.tasks import TASKS
+from mlx_llm.train.data import DEFAULT_EXTENSIONS, DEFAULT_VAL_PERCENT
+
+TOKENIZERS = ("bpe", "byte")
+LORA_TARGETS = layout.lora_targets()  # the weights LoRA can adapt (layers/layout.py: each one's ``lora_in``)
+DEFAULT_TARGETS = ("wq", "wv")  # U19 §10's rule of thumb: query and value
+DEFAULT_VOCAB = 1024  # the main job's BPE vocabulary (recipes.MAIN_JOB_VOCAB)
+
+
+def _absolute(path) -> str | None:
+    return None if path is None else str(Path(path).resolve())
+
+
+def _check_int(owner, name: str, minimum: int, *, optional: bool = False) -> None:
+    value = getattr(owner, name)
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{type(owner).__name__}.{name} = {value!r} is invalid: it must be an integer >= {minimum}"
+                          + (" (or unset)" if optional else ""))
+
+
+def _check_number(owner, name: str, *, low: float, positive: bool = False) -> float:
+    value = getattr(owner, name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < low \
+            or (positive and value <= low):
+        bound = f"> {low:g}" if positive else f">= {low:g}"
+        raise ConfigError(f"{type(owner).__name__}.{name} = {value!r} is invalid: it must be a finite number {bound}")
+    object.__setattr__(owner, name, float(value))
+    return float(value)
+
+
+def _check_task(owner, *, required: bool, data: str | None = None) -> None:
+    """``task`` is a known task; with ``data`` (what a data file holds), exactly one of the file and the task."""
+    if owner.task is not None and owner.task not in TASKS:
+        raise ConfigError(f"{type(owner).__name__}.task = {owner.task!r} is invalid: valid tasks are {list(TASKS)}")
+    if data is not None and (owner.task is None) == (owner.data is None):
+        raise ConfigError(f"give exactly one of a {data} file (--data FILE.jsonl) and a task (--task NAME: "
+                          f"{list(TASKS)}); got data = {owner.data!r}, task = {owner.task!r}")
+    if required and owner.task is None:
+        raise ConfigError(f"{type(owner).__name__}.task is required: one of {list(TASKS)}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataSpec(JsonConfig):
+    """Where the pretraining text comes from and how it is tokenised."""
+
+    path: str | None = setting(None, "a text file, a directory (recursive) or a glob (default: the Python "
+                               "standard library)", flag="data")
+    extensions: tuple[str, ...] = setting(DEFAULT_EXTENSIONS, "file extensions read from a directory, "
+                                          "comma-separated")
+    val_percent: float = setting(DEFAULT_VAL_PERCENT, "share of files held out for validation, in percent")
+    tokenizer: str = setting("bpe", "bpe (trained on the train split) or byte (UTF-8 bytes)", choices=TOKENIZERS)
+    vocab_size: int = setting(DEFAULT_VOCAB, "BPE vocabulary size (special tokens included)")
+
+    def __post_init__(self) -> None:
+        if self.path is not None and not isinstance(self.path, str):
+            object.__setattr__(self, "path", str(self.path))
+        exts = (self.extensions.split(",") if isinstance(self.extensions, str) else list(self.extensions))
+        exts = tuple(e if e.startswith(".") else "." + e for e in (e.strip() for e in exts) if e)
+        if not exts:
+            raise ConfigError(f"DataSpec.extensions = {self.extensions!r} is invalid: give at least one, e.g. .py,.txt")
+        object.__setattr__(self, "extensions", exts)
+        value = _check_number(self, "val_percent", low=0.0, positive=True)
+        if value >= 100:
+            raise ConfigError(f"DataSpec.val_percent = {value!r} is invalid: it must be in (0, 100)")
+        if self.tokenizer not in TOKENIZERS:
+            raise ConfigError(f"DataSpec.tokenizer = {self.tokenizer!r} is invalid: valid tokenizers are "
+                              f"{list(TOKENIZERS)}")
+        _check_int(self, "vocab_size", 1)
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "extensions": list(self.extensions)}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SFTConfig(JsonConfig):
+    """Supervised fine-tuning on conversations (M20 §16, U19 §9)."""
+
+    data: str | None = setting(None, 'conversations, JSONL ({"messages": [...]} per line)', metavar="FILE.jsonl", path=True)
+    task: str | None = setting(None, "a built-in task (mlx_llm.post.tasks)", choices=TASKS)
+    n_train: int | None = setting(None, "cap on the task's train examples", flag="train_examples")
+    eval_examples: int | None = setting(200, "held-out task examples scored before and after (unset: all)")
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "data", _absolute(self.data))
+        _check_task(self, required=False, data="data")
+        _check_int(self, "n_train", 1, optional=True)
+        _check_int(self, "eval_examples", 1, optional=True)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RewardConfig(JsonConfig):
+    """A Bradley–Terry reward model on preference pairs (U19 §11)."""
+
+    data: str | None = setting(None, 'pairs, JSONL ({"prompt": [...], "chosen": {...}, "rejected": {...}} per '
+                               'line)', metavar="FILE.jsonl", path=True)
+    task: str | None = setting(None, "pairs built from a task (correct vs corrupted answers)", choices=TASKS)
+    n_train: int | None = setting(None, "cap on the task's train examples", flag="train_examples")
+    model_negatives: bool = setting(False, "with a task, add the base model's own wrong samples as rejected "
+                                    "replies")
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "data", _absolute(self.data))
+        _check_task(self, required=False, data="pair")
+        _check_int(self, "n_train", 1, optional=True)
+        if not isinstance(self.model_negatives, bool):
+            raise ConfigError(f"{type(self).__name__}.model_negatives = {self.model_negatives!r} must be true or false")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DPOConfig(RewardConfig):
+    """Direct preference optimisation (M20 §16, U19 §13)."""
+
+    beta: float = setting(0.1, "β of the KL leash to the reference (> 0)")
+    reference: str | None = setting(None, "the frozen reference run (default: the base)", metavar="RUN",
+                                 path=True)
+    nll_weight: float = setting(0.0, "α of an added chosen-reply NLL term (RPO; 0: pure DPO)")
+    eval_examples: int | None = setting(200, "held-out task examples scored before and after (unset: all)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "reference", _absolute(self.reference))
+        _check_number(self, "beta", low=0.0, positive=True)
+        _check_number(self, "nll_weight", low=0.0)
+        _check_int(self, "eval_examples", 1, optional=True)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RLConfig(JsonConfig):
+    """KL-leashed on-policy RL on a task (U19 §12): a group of replies per prompt, rewarded by the task's exact
+    checker or a reward model; the per-token KL (k1 estimator) to the reference is part of the reward."""
+
+    task: str | None = setting(None, "a built-in task: prompts and the exact checker", choices=TASKS)
+    n_train: int | None = setting(None, "cap on the task's train prompts", flag="train_examples")
+    beta: float = setting(0.05, "β of the KL leash to the reference (> 0)")
+    k: int = setting(8, "replies sampled per prompt (>= 2)")
+    reward_model: str | None = setting(None, "a reward run scoring replies instead of the checker",
+                                    metavar="RUN", path=True)
+    reference: str | None = setting(None, "the frozen reference run (default: the base)", metavar="RUN",
+                                 path=True)
+    eval_examples: int | None = setting(200, "held-out task examples scored before and after (unset: all)")
+
+    def __post_init__(self) -> None:
+        _check_task(self, required=True)
+        object.__setattr__(self, "reward_model", _absolute(self.reward_model))
+        object.__setattr__(self, "reference", _absolute(self.reference))
+        _check_int(self, "n_train", 1, optional=True)
+        _check_number(self, "beta", low=0.0, positive=True)
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 2:
+            raise ConfigError(f"RLConfig.k = {self.k!r} is invalid: group-relative advantages compare each reply "
+                              f"with the other replies to its prompt, so k must be an integer ≥ 2")
+        _check_int(self, "eval_examples", 1, optional=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    """Rank r, scale α (the update is (α/r)·A·B) and the target keys."""
+
+    rank: int = setting(8, "train rank-R adapters beside the frozen base instead of every weight (LoRA is off "
+                        "unless --lora-rank is given)", show_default=False)
+    alpha: float = setting(16.0, "α of the adapters' update (α/r)·A·B")
+    targets: tuple[str, ...] = setting(DEFAULT_TARGETS, "comma-separated weight keys to adapt")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise ConfigError(f"LoRA rank = {self.rank!r} is invalid: it must be a positive integer")
+        if not isinstance(self.alpha, (int, float)) or not math.isfinite(self.alpha) or self.alpha <= 0:
+            raise ConfigError(f"LoRA alpha = {self.alpha!r} is invalid: it must be a positive number")
+        targets = tuple(self.targets)
+        bad = [t for t in targets if t not in LORA_TARGETS]
+        if bad or not targets or len(set(targets)) != len(targets):
+            raise ConfigError(f"LoRA targets {list(targets)!r} are invalid: choose distinct keys among "
+                              f"{list(LORA_TARGETS)}")
+        object.__setattr__(self, "targets", targets)
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NoSettings(JsonConfig):
+    """Run kinds with no settings of their own (pretraining: its data spec; merged and imported runs)."""
+
+
+KIND_CONFIGS = {"pretrain": NoSettings, "sft": SFTConfig, "reward": RewardConfig, "dpo": DPOConfig,
+                "rl": RLConfig, "merged": NoSettings, "imported": NoSettings}

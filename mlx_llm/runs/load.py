@@ -1,0 +1,131 @@
+"""The one loader of a run's parameters, and the one writer of a run that holds a single checkpoint.
+
+``load_params(run, step)`` follows the base chain: a run whose checkpoints hold LoRA adapters is its base's
+parameters (themselves loaded the same way, at the step the run started from) with the adapters folded in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from mlx_llm.config import ModelConfig, TrainConfig
+from mlx_llm.errors import CheckpointError, ConfigError
+from mlx_llm.post import lora as lora_lib
+from mlx_llm.runs.record import Run, RunRecord, open_run, write_run
+from mlx_llm.train import tokenizer as tok_lib
+from mlx_llm.train.checkpoint import Checkpoints
+from mlx_llm.train.parallel import make_mesh, replicated
+from mlx_llm.train.step import init_state, optimizer_for
+
+
+def as_run(run) -> Run:
+    return run if isinstance(run, Run) else open_run(run)
+
+
+def checkpoint_step(run: Run, step: int | None) -> int:
+    """``step``, or the run's latest checkpoint; refused by name when the run has none or not that one."""
+    steps = run.checkpoint_steps()
+    if step is None:
+        if not steps:
+            raise CheckpointError(f"no checkpoint in {run.path / 'checkpoints'}: nothing to load")
+        return steps[-1]
+    if step not in steps:
+        raise CheckpointError(f"no checkpoint {step} in {run.path}: its checkpoints are {steps}")
+    return step
+
+
+def restore_params(run, step: int | None = None, *, like=None):
+    """The trainable tree stored in a run's checkpoint (latest by default), shaped like ``like`` (default: the
+    model's parameters), replicated on the local devices."""
+    run = as_run(run)
+    step = checkpoint_step(run, step)
+    mesh = make_mesh()
+    abstract = jax.eval_shape(lambda: init_state(run.cfg, run.tcfg, optimizer_for(run.tcfg), like))
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated(mesh)), abstract)
+    ckpts = Checkpoints(run.path)
+    try:
+        return ckpts.restore(abstract, step).params
+    finally:
+        ckpts.close()
+
+
+def base_params(run: Run):
+    """The parameters of the run ``run`` starts from, at the step it started from."""
+    if run.record.base is None:
+        raise ConfigError(f"{run.path} is a {run.kind} run: it has no base run")
+    return load_params(run.record.base.run, run.record.base.step)
+
+
+def load_params(run, step: int | None = None):
+    """A language-model run's parameters at ``step`` (default the latest): the checkpoint itself, or, for a
+    LoRA run, its base's parameters with the adapters folded in once (W₀ + (α/r)·A·B, post/lora.py)."""
+    run = as_run(run)
+    run.require_language_model("loading its parameters as a model")
+    lora_cfg = run.record.lora
+    if lora_cfg is None:
+        return restore_params(run, step)
+    base = base_params(run)
+    adapters = restore_params(run, step, like=lora_lib.init(base, lora_cfg, jax.random.key(0)))
+    return lora_lib.merge(base, adapters, lora_cfg)
+
+
+def check_new_dir(path: Path, what: str) -> None:
+    """``path`` must not exist, or be an empty directory: nothing is ever overwritten."""
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise CheckpointError(f"{what} {str(path)!r} exists and is not empty; choose a new directory")
+
+
+@contextlib.contextmanager
+def new_dir(path: Path):
+    """Yield a temporary sibling of ``path`` to fill; on success it becomes ``path``, on failure it is removed,
+    so a failed write leaves nothing behind."""
+    path = Path(path).absolute()
+    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        if path.exists():
+            path.rmdir()  # empty (checked before): rename needs it gone
+        os.rename(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_checkpoint_run(out, cfg: ModelConfig, tcfg: TrainConfig, record: RunRecord, tok: tok_lib.Tokenizer,
+                         params: Any, step: int) -> Path:
+    """Write ``out``: a new run holding ``params`` as its one checkpoint ``step`` (a merged or imported run),
+    all of it or nothing (``new_dir``)."""
+    out = Path(out)
+    check_new_dir(out, "run directory")
+    with new_dir(out) as tmp:
+        write_run(tmp, cfg, tcfg, record)
+        tok.save(tmp)
+        state = init_state(cfg, tcfg, optimizer_for(tcfg), params).replace(step=np.int32(step),
+                                                                            data_step=np.int32(step))
+        ckpts = Checkpoints(tmp)
+        ckpts.save(step, state)
+        ckpts.close()
+    return out
+
+
+def merge_run(run, out) -> Path:
+    """Write ``out``: a plain run (config, tokenizer, one checkpoint of the merged parameters) from any LoRA run
+    that holds a language model (SFT, DPO, RL)."""
+    run = as_run(run)
+    if run.record.lora is None:
+        raise ConfigError(f"{run.path} is not a fine-tuning run with LoRA adapters (it is a {run.kind} run): there is "
+                          f"nothing to merge (its checkpoints already hold plain parameters)")
+    run.require_language_model("export-merged")
+    check_new_dir(Path(out), "run directory")
+    step = checkpoint_step(run, None)
+    record = RunRecord(kind="merged", data=run.record.data, template=run.record.template,
+                       provenance={"merged_from": str(run.path.resolve()), "step": step})
+    return write_checkpoint_run(out, run.cfg, run.tcfg, record, tok_lib.load(run.path), load_params(run, step), step)

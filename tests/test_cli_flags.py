@@ -1,0 +1,82 @@
+"""The generated CLI: every flag is a documented config field or a documented command option; a subcommand
+has only the flags it honours; `mlx-llm --help` imports no jax; files honour the umask."""
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlx_llm.cli import build_parser
+from mlx_llm.cli.flags import given
+from mlx_llm.config import TrainConfig
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def subcommands() -> dict[str, argparse.ArgumentParser]:
+    return build_parser()._subparsers._group_actions[0].choices
+
+
+def test_every_flag_of_every_subcommand_has_help_text():
+    subs = subcommands()
+    assert set(subs) == {"train", "sft", "reward", "dpo", "rl", "eval", "compile", "eval-task", "chat",
+                         "export-merged", "export", "import", "generate"}
+    missing = [(name, a.option_strings) for name, p in subs.items() for a in p._actions
+               if a.option_strings and a.dest != "help" and not (a.help or "").strip()]
+    assert missing == []
+
+
+def test_flags_are_the_config_fields():
+    subs = subcommands()
+    train_flags = {a.dest for a in subs["train"]._actions if a.dest.startswith("train.")}
+    fields = {f"train.{f.name}" for f in dataclasses.fields(TrainConfig) if f.metadata.get("cli", True)}
+    assert train_flags == fields
+    for kind in ("reward", "dpo", "rl", "sft"):  # every training command takes --mesh, --grad-accum, --remat
+        dests = {a.dest for a in subs[kind]._actions}
+        assert {"train.mesh", "train.grad_accum", "train.remat", "train.log_interval"} <= dests, kind
+        assert "train.objective" not in dests  # preference and chat runs train next-token models
+    assert "train.eval_tokens" not in {a.dest for a in subs["rl"]._actions}  # rl evaluates held-out examples
+    assert "train.eval_tokens" in {a.dest for a in subs["dpo"]._actions}
+
+
+def test_only_given_flags_reach_the_command():
+    args = build_parser().parse_args(["dpo", "--out", "x", "--beta", "0.5", "--lora-rank", "2", "--mesh", "data=2"])
+    assert given(args) == {"settings": {"beta": 0.5}, "lora": {"rank": 2}, "train": {"mesh": "data=2"}}
+    args = build_parser().parse_args(["train", "--extensions", ".py, .md", "--loss-chunk", "auto"])
+    assert given(args) == {"data": {"extensions": (".py", ".md")}, "train": {"loss_chunk": "auto"}}
+
+
+def test_help_shows_the_recipes_defaults(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--help"])
+    out = capsys.readouterr().out
+    assert "(default: 700)" in out and "(default: 1024)" in out  # the main job's steps and vocabulary
+
+
+def test_mlx_llm_help_imports_no_jax():
+    code = ("import sys, contextlib, io\nimport mlx_llm.cli\n"
+            "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+            "    mlx_llm.cli.main(['train', '--help'])\n"
+            "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.')))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1].replace("'", '"')) == []
+
+
+def test_files_honour_the_umask(tmp_path):
+    from mlx_llm.config import write_json_atomic
+    from mlx_llm.train.tokenizer import ByteTokenizer
+
+    old = os.umask(0o027)
+    try:
+        ByteTokenizer().save(tmp_path)
+        write_json_atomic(tmp_path / "x.json", {"a": 1})
+    finally:
+        os.umask(old)
+    assert oct(os.stat(tmp_path / "tokenizer.json").st_mode & 0o777) == oct(0o640)
+    assert oct(os.stat(tmp_path / "x.json").st_mode & 0o777) == oct(0o640)
