@@ -3,24 +3,24 @@
 Each row is ``mlx_llm.train.preflight.compile_step`` — the exact jitted train step AOT-compiled for the target
 through libtpu (``pip install -e '.[tpu]'``) — for a model, a context length, an attention implementation and a
 remat policy. Models: GPT-2-124M-like (T = 1024), Llama-3.2-1B-like (T = 4096, 8192, 16384) and Llama-3-8B-like
-(T = 8192, fsdp). Prints a table and writes experiments/results/aot_memory.json.
+(T = 8192, fsdp). Prints a table and writes experiments/results/aot_memory.json (``{"rows": [...]}`` with its
+provenance; rewritten after every row, so an interrupted run keeps what it measured).
 
-    python experiments/aot_memory.py                 # every row (long: minutes per 8B compile on 2 cores)
-    python experiments/aot_memory.py --only 1b       # one model
-    python experiments/aot_memory.py --smallest      # the smallest v5e / v5p slice that holds the 8B model
-    python experiments/aot_memory.py --largest       # the largest batch that fits (124M and 1B, splash, remat full)
+    python -m experiments.aot_memory                 # every row (long: minutes per 8B compile on 2 cores)
+    python -m experiments.aot_memory --only 1b       # one model
+    python -m experiments.aot_memory --smallest      # the smallest v5e / v5p slice that holds the 8B model
+    python -m experiments.aot_memory --largest       # the largest batch that fits (124M and 1B, splash, remat full)
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import time
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+from experiments import common  # noqa: E402
 from mlx_llm.config import ModelConfig, TrainConfig  # noqa: E402
 from mlx_llm.train.preflight import GiB, compile_step, largest_batch  # noqa: E402
 
@@ -47,11 +47,15 @@ def train_config(seq_len: int, batch: int, mesh: str, attention: str, remat: str
 
 
 def measure(model: str, target: str, mesh: str, seq_len: int, batch: int, attention: str, remat: str) -> dict:
-    tcfg = train_config(seq_len, batch, mesh, attention, remat)
-    t0 = time.perf_counter()
-    out = compile_step(MODELS[model], tcfg, target)
-    out.update(model=model, compile_seconds=round(time.perf_counter() - t0, 1))
+    out, seconds = common.timed(compile_step, MODELS[model], train_config(seq_len, batch, mesh, attention, remat),
+                                target)
+    out.update(model=model, compile_seconds=round(seconds, 1))
     return out
+
+
+def save(rows: list, out: Path) -> None:
+    """``rows`` with their provenance into ``out`` (a .json path)."""
+    common.save_result(out.stem, rows, out.parent, indent=1)
 
 
 def row_text(r: dict) -> str:
@@ -81,7 +85,7 @@ def smallest_slices(out: Path, lengths=(8192, 32768), tensors=(1, 4, 8)) -> None
                     r = measure("8b", f"tpu:{gen}-{n}", mesh, seq_len, chips // tensor, "splash", "full")
                     print(row_text(r), mesh, flush=True)
                     rows.append({**r, "mesh_spec": mesh})
-                    out.write_text(json.dumps(rows, indent=1) + "\n")
+                    save(rows, out)
                     if r["fits"]:
                         found = True
                         break
@@ -93,12 +97,12 @@ def largest_batches(out: Path) -> None:
     """The largest batch (a multiple of the chips) whose step fits, splash + chunked loss + remat full."""
     rows = []
     for model, target, mesh, seq_len in (("124m", "tpu:v5e-4", "fsdp=4", 1024), ("1b", "tpu:v5e-4", "fsdp=4", 4096)):
-        t0 = time.perf_counter()
-        batch = largest_batch(MODELS[model], train_config(seq_len, 4, mesh, "splash", "full"), target, limit=512)
+        batch, seconds = common.timed(largest_batch, MODELS[model], train_config(seq_len, 4, mesh, "splash", "full"),
+                                      target, limit=512)
         rows.append({"model": model, "target": target, "seq_len": seq_len, "largest_batch": batch,
-                     "seconds": round(time.perf_counter() - t0, 1)})
+                     "seconds": round(seconds, 1)})
         print(rows[-1], flush=True)
-        out.write_text(json.dumps(rows, indent=1) + "\n")
+        save(rows, out)
 
 
 def main() -> None:
@@ -107,14 +111,15 @@ def main() -> None:
     ap.add_argument("--smallest", action="store_true", help="the smallest slices for the 8B model")
     ap.add_argument("--largest", action="store_true", help="the largest batches that fit")
     ap.add_argument("--seq-len", type=int, help="with --smallest: only this length")
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "aot_memory.json")
+    ap.add_argument("--out", type=Path, default=common.RESULTS / "aot_memory.json",
+                    help="the table's file; --smallest and --largest write their own files beside it")
     args = ap.parse_args()
     if args.smallest:
         lengths = (args.seq_len,) if args.seq_len else (8192, 32768)
         return smallest_slices(args.out.with_name(f"aot_smallest_slices{args.seq_len or ''}.json"), lengths)
     if args.largest:
         return largest_batches(args.out.with_name("aot_largest_batch.json"))
-    rows = json.loads(args.out.read_text()) if args.only and args.out.exists() else []
+    rows = common.load_result(args.out.stem, args.out.parent) if args.only and args.out.exists() else []
     rows = [r for r in rows if args.only and r["model"] != args.only]  # --only reruns one model's rows
     for model, target, mesh, shapes in ROWS:
         if args.only and model != args.only:
@@ -124,8 +129,7 @@ def main() -> None:
                 for remat in ("none", "full"):
                     rows.append(measure(model, target, mesh, seq_len, batch, attention, remat))
                     print(row_text(rows[-1]), flush=True)
-                    args.out.parent.mkdir(parents=True, exist_ok=True)
-                    args.out.write_text(json.dumps(rows, indent=1) + "\n")
+                    save(rows, args.out)
 
 
 if __name__ == "__main__":

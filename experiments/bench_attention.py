@@ -7,20 +7,21 @@ respect to q, k and v, jitted. Time: median of --repeats calls after one warm-up
 within each repeat so that drift in machine load hits them alike. Memory: the compiled executable's temporary
 buffers (``memory_analysis().temp_size_in_bytes``: everything but arguments and outputs).
 
-    python experiments/bench_attention.py                       # T = 512, 2048, 8192; B=1, H=8, G=2, K=64
-    python experiments/bench_attention.py --lengths 1024 --block-q 64 --block-k 64
+    python -m experiments.bench_attention                   # T = 512, 2048, 8192; B=1, H=8, G=2, K=64
+    python -m experiments.bench_attention --lengths 1024 --block-q 64 --block-k 64 --save NAME
+
+Writes experiments/results/bench_attention.json (``--save``).
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import sys
-import time
+import functools
 
 import jax
 import jax.numpy as jnp
 
+from experiments import common
 from mlx_llm.kernels.flash import flash_attention
 from mlx_llm.ops import causal_attention, causal_mask
 
@@ -40,15 +41,8 @@ def compiled_grads(attn, q_BTHK, k_BTGK, v_BTGK, do_BTHK):
 
 def measure(variants: dict, args_: tuple, repeats: int) -> dict:
     """Median seconds per call of each compiled variant, calls interleaved after one warm-up each."""
-    for fn in variants.values():
-        jax.block_until_ready(fn(*args_))
-    seconds = {name: [] for name in variants}
-    for _ in range(repeats):
-        for name, fn in variants.items():
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*args_))
-            seconds[name].append(time.perf_counter() - start)
-    return {name: statistics.median(s) for name, s in seconds.items()}
+    calls = {name: functools.partial(fn, *args_) for name, fn in variants.items()}
+    return common.time_interleaved(calls, warmup=1, rounds=repeats)
 
 
 def inputs(b: int, t: int, h: int, g: int, kd: int):
@@ -67,14 +61,16 @@ def main() -> None:
     ap.add_argument("--block-q", type=int, default=128)
     ap.add_argument("--block-k", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    common.add_save_argument(ap, "bench_attention")
     args = ap.parse_args()
-    print("$ python " + " ".join(sys.argv))
+    print("$ " + common.command_line())
     print(f"causal attention forward+backward, float32, B={args.batch}, H={args.heads}, G={args.kv_heads}, "
           f"K={args.head_dim}, flash blocks {args.block_q}x{args.block_k}, {jax.device_count()} "
           f"{jax.devices()[0].platform} device(s), median of {args.repeats} after a warm-up")
     print(f"{'T':>6} {'flash ms':>10} {'xla ms':>10} {'time f/x':>9} {'flash MiB':>10} {'xla MiB':>10} "
           f"{'mem f/x':>8}")
     flash = lambda q, k, v: flash_attention(q, k, v, block_q=args.block_q, block_k=args.block_k)  # noqa: E731
+    rows = []
     for t in args.lengths:
         arrays = inputs(args.batch, t, args.heads, args.kv_heads, args.head_dim)
         variants = {"flash": compiled_grads(flash, *arrays), "xla": compiled_grads(xla, *arrays)}
@@ -82,6 +78,10 @@ def main() -> None:
         sec = measure(variants, arrays, args.repeats)
         print(f"{t:>6} {sec['flash'] * 1e3:>10.1f} {sec['xla'] * 1e3:>10.1f} {sec['flash'] / sec['xla']:>9.2f} "
               f"{mem['flash']:>10.1f} {mem['xla']:>10.1f} {mem['flash'] / mem['xla']:>8.3f}", flush=True)
+        rows.append({"seq_len": t, "flash_seconds": sec["flash"], "xla_seconds": sec["xla"],
+                     "flash_temp_mib": mem["flash"], "xla_temp_mib": mem["xla"],
+                     "time_ratio": sec["flash"] / sec["xla"], "memory_ratio": mem["flash"] / mem["xla"]})
+    common.save_from_args(args, {"args": common.arguments(args), "rows": rows})
 
 
 if __name__ == "__main__":

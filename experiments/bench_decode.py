@@ -24,19 +24,20 @@ With the ``hf`` extra installed it also runs transformers' ``generate(do_sample=
 (``experiments/hf_twin.py``), checks the greedy tokens are identical and prints the tokens/s ratio, end to end and
 per decode step, timed round-robin with ours.
 
-Usage: python experiments/bench_decode.py [--quick] [--d-model 512 --n-layers 8 ... | --config FILE.json] [--no-hf]
+Usage: python -m experiments.bench_decode [--quick] [--d-model 512 --n-layers 8 ... | --config FILE.json] [--no-hf]
+Writes experiments/results/bench_decode.json (``--save NAME``: another name, for a variant such as --config).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import common
 from mlx_llm import ModelConfig, forward, init_params
 from mlx_llm.scaling.accounting import decode_state_bytes, kv_rows
 from mlx_llm.decode.state import forward_cached, init_cache, unstack_layers
@@ -59,35 +60,22 @@ def parse_args(argv=None):
     ap.add_argument("--bandwidth-gib", type=float, default=1.0, help="size of the array summed to measure bandwidth")
     ap.add_argument("--quick", action="store_true", help="small run (~30 s): context 256 only, 16 tokens")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers generate() baseline")
+    common.add_save_argument(ap, "bench_decode")
     args = ap.parse_args(argv)
     if args.quick:
         args.contexts, args.new_tokens, args.repeats, args.bandwidth_gib = [256], 16, 3, 0.25
     return args
 
 
-def wall(fn):
-    """Seconds taken by ``fn()``, which must block until its result is ready."""
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-def best_of(timers, repeats):
+def best_of(timers, repeats, self_timed=False):
     """Best time of each timer, run round-robin (warm-up first) so all of them see the same machine load."""
-    for timer in timers.values():
-        timer()
-    best = {name: float("inf") for name in timers}
-    for _ in range(repeats):
-        for name, timer in timers.items():
-            best[name] = min(best[name], timer())
-    return best
+    return common.time_interleaved(timers, warmup=1, rounds=repeats, stat=min, self_timed=self_timed)
 
 
 def read_bandwidth(gib, repeats):
     """Bytes per second of a jitted sum over a float32 array of ``gib`` GiB (reads every byte once)."""
     x = jnp.ones((int(gib * 2**30) // 4,), jnp.float32)
-    total = jax.jit(jnp.sum)
-    seconds = best_of({"sum": lambda: wall(lambda: total(x).block_until_ready())}, max(repeats, 5))["sum"]
+    seconds = common.time_steps(jax.jit(jnp.sum), x, warmup=1, rounds=max(repeats, 5), stat=min)
     del x
     return gib * 2**30 / seconds
 
@@ -101,7 +89,7 @@ def weight_bytes_per_token(params, cfg):
 
 
 def cached_timers(params, cfg, prompt, n_new):
-    """Timers of n_new greedy decode steps after a (untimed) prefill, cache donated, for three decoders.
+    """Self-timed candidates: n_new greedy decode steps after an untimed prefill, cache donated, for three decoders.
 
     'scan' / 'lscan' are generate()'s decode loop: one jitted lax.scan over steps of forward_cached + argmax,
     over per-layer weights (generate's default) or scanning the stacked weights. 'loop' calls a jitted
@@ -125,9 +113,7 @@ def cached_timers(params, cfg, prompt, n_new):
         logits, cache = prefill(params, prompt, init_cache(cfg, b, t + n_new, params["embed"].dtype))
         tok = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None]
         jax.block_until_ready((tok, cache))
-        t0 = time.perf_counter()
-        jax.block_until_ready(decode(cache, tok))
-        return time.perf_counter() - t0
+        return common.seconds(decode, cache, tok)
 
     def loop(cache, tok):
         for _ in range(n_new):
@@ -140,22 +126,22 @@ def cached_timers(params, cfg, prompt, n_new):
 
 
 def recompute_timer(params, cfg, prompt):
-    """No cache: one new token at context n costs a full forward over n + 1 positions."""
+    """No cache: one new token at context n costs a full forward over n + 1 positions (self-timed candidate)."""
     fwd = jax.jit(lambda p, x: jnp.argmax(forward(p, x, cfg)[:, -1], axis=-1))
     x = jnp.concatenate([prompt, prompt[:, :1]], axis=1)
-    return lambda: wall(lambda: fwd(params, x).block_until_ready())
+    return lambda: common.seconds(fwd, params, x)
 
 
 def measure(params, cfg, prompt, n_new, repeats):
     """Per-token seconds of each decoder at this prompt's context."""
     timers = dict(cached_timers(params, cfg, prompt, n_new), recompute=recompute_timer(params, cfg, prompt))
-    best = best_of(timers, repeats)
+    best = best_of(timers, repeats, self_timed=True)
     return {name: t if name == "recompute" else t / n_new for name, t in best.items()}
 
 
 def generate_check(params, cfg, prompt, n_new, repeats):
     """generate() itself, end to end: (t(1 + n_new) − t(1)) / n_new is its per-token decode time."""
-    run = lambda n: lambda: wall(lambda: generate(params, cfg, prompt, n).tokens.block_until_ready())
+    run = lambda n: lambda: generate(params, cfg, prompt, n).tokens  # noqa: E731
     best = best_of({"n": run(1 + n_new), "1": run(1)}, repeats)
     return best["1"], (best["n"] - best["1"]) / n_new
 
@@ -164,7 +150,7 @@ def hf_compare(params, cfg, prompt, n_new, repeats):
     """generate() against transformers' ``generate(do_sample=False)`` on the same weights (torch eager, KV cache),
     round-robin: (our seconds, HF seconds) for n_new tokens end to end, per-token decode seconds of each
     ((t(1 + n) − t(1)) / n), and whether the greedy tokens are identical. None without the hf extra."""
-    from hf_twin import try_hf_twin  # experiments/ is on sys.path when this script runs
+    from experiments.hf_twin import try_hf_twin
 
     twin = try_hf_twin(params, cfg)
     if twin is None:
@@ -183,8 +169,8 @@ def hf_compare(params, cfg, prompt, n_new, repeats):
         return np.asarray(generate(params, cfg, prompt, n).tokens[0])
 
     same = bool(np.array_equal(hf(n_new), ours(n_new)))
-    best = best_of({"ours n": lambda: wall(lambda: ours(1 + n_new)), "hf n": lambda: wall(lambda: hf(1 + n_new)),
-                    "ours 1": lambda: wall(lambda: ours(1)), "hf 1": lambda: wall(lambda: hf(1))}, repeats)
+    best = best_of({"ours n": lambda: ours(1 + n_new), "hf n": lambda: hf(1 + n_new), "ours 1": lambda: ours(1),
+                    "hf 1": lambda: hf(1)}, repeats)
     return {"ours": best["ours n"], "hf": best["hf n"], "same_tokens": same,
             "ours_tok": (best["ours n"] - best["ours 1"]) / n_new, "hf_tok": (best["hf n"] - best["hf 1"]) / n_new,
             "torch": torch.__version__}
@@ -236,6 +222,7 @@ def main(argv=None):
     head = (f"\n{'context':>7} | {'cached scan':>11} | {'layer scan':>11} | {'python loop':>11} | {'recompute':>10} | "
             f"{'recomp/cached':>13} | {'state bytes':>11} | {'bound':>8} | {'of bound':>8}")
     print(head + "\n" + "-" * (len(head) - 1))
+    rows = []
     for ctx, prompt in prompts.items():
         m = measure(params, cfg, prompt, args.new_tokens, args.repeats)
         state_b = decode_state_bytes(cfg, ctx, 1, dtype)
@@ -243,6 +230,8 @@ def main(argv=None):
         print(f"{ctx:>7} | {m['scan'] * 1e3:>8.2f} ms | {m['lscan'] * 1e3:>8.2f} ms | {m['loop'] * 1e3:>8.2f} ms | "
               f"{m['recompute'] * 1e3:>7.1f} ms | {m['recompute'] / m['scan']:>12.1f}x | {state_b:>11,d} | "
               f"{t_bound * 1e3:>5.2f} ms | {t_bound / m['scan']:>7.0%}")
+        rows.append({"context": ctx, "seconds_per_token": m, "state_bytes": state_b, "bound_seconds": t_bound,
+                     "fraction_of_bound": t_bound / m["scan"]})
     ctx0 = args.contexts[0]
     t_first, t_tok = generate_check(params, cfg, prompts[ctx0], args.new_tokens, args.repeats)
     print(f"\ngenerate() end to end at context {ctx0}: prefill + first token {t_first * 1e3:.1f} ms, then "
@@ -260,6 +249,10 @@ def main(argv=None):
           "context; 'bound' = (weights + state) / bandwidth; 'of bound' = bound / cached-scan time.\n"
           f"K/V rows one attention layer computes to write {ctx0} tokens (U19 §6): {kv_rows(ctx0, True):,d} with "
           f"the cache, {kv_rows(ctx0, False):,d} without.")
+    common.save_from_args(args, {"args": common.arguments(args), "params": cfg.param_count(),
+                                 "weight_bytes_per_token": w_bytes, "read_bandwidth_bytes_per_second": bw,
+                                 "rows": rows, "generate": {"first_token_seconds": t_first, "seconds_per_token": t_tok},
+                                 "hf": hf})
 
 
 if __name__ == "__main__":

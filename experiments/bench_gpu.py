@@ -7,30 +7,26 @@ weights, float32 logits and loss). The peak is the best bf16 `jnp.dot` of two 81
 process (float32 accumulation), timed round-robin with the step; MFU = (FLOPs per token × tokens/s) / peak,
 FLOPs per token from `accounting.train_flops_per_token` (6·N plus attention, PaLM's count). Target: ≥ 45%.
 
-    python experiments/bench_gpu.py                 # on a GPU/TPU host
-    python experiments/bench_gpu.py --quick         # a CPU smoke run of the same code (tiny model, float32 peak)
+    python -m experiments.bench_gpu                 # on a GPU/TPU host
+    python -m experiments.bench_gpu --quick         # a CPU smoke run of the same code (tiny model, float32 peak)
+
+Writes experiments/results/bench_gpu.json (``--save``; nothing under --quick unless asked).
 """
 
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import common
 from mlx_llm import ModelConfig
 from mlx_llm.config import TrainConfig
 from mlx_llm.scaling.accounting import train_flops_per_token
 from mlx_llm.train.parallel import make_mesh
 from mlx_llm.train.step import device_batch, init_state, jit_train_step, optimizer_for, place_state
-
-
-def timed(fn, *args) -> float:
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    return time.perf_counter() - start
 
 
 def main() -> None:
@@ -42,6 +38,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="d=128, L=2, T=128, batch 4, float32: a CPU smoke run")
     ap.add_argument("--attention-impl", default="auto", help="kernels.Kernels.attention_impl (default auto)")
     ap.add_argument("--loss-chunk", default="auto", help="rows of logits at a time, 0 for all, or auto")
+    common.add_save_argument(ap, "bench_gpu")
     args = ap.parse_args()
     d, L, V, T, n, dtype = 768, 12, 32768, args.seq_len, 8192, jnp.bfloat16
     if args.quick:
@@ -61,19 +58,11 @@ def main() -> None:
                           "targets": rng.integers(0, V, (B, T), dtype=np.int32),
                           "mask": np.ones((B, T), np.float32), "segment_ids": np.zeros((B, T), np.int32),
                           "positions": np.tile(np.arange(T, dtype=np.int32), (B, 1))}, mesh)
-    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
-    dot = jax.jit(lambda x, y: jnp.matmul(x, y, preferred_element_type=jnp.float32))
-    dot(a, a).block_until_ready()
-    state, m = step(state, batch)
-    jax.block_until_ready(m)
-    step_times, peaks = [], []
-    for _ in range(args.rounds):
-        peaks.append(2 * n**3 / min(timed(dot, a, a) for _ in range(3)))
-        start = time.perf_counter()
-        state, m = step(state, batch)
-        jax.block_until_ready(m)
-        step_times.append(time.perf_counter() - start)
-    step_s, peak = float(np.median(step_times)), max(peaks)
+    dot, dot_flops = common.matmul_timer(n, jnp.dtype(dtype).name)  # best of 3 products per round
+    train = common.carry(step, state, batch)
+    times = common.interleaved_times({"dot": dot, "step": lambda: common.seconds(train)}, warmup=1,
+                                     rounds=args.rounds, self_timed=True)
+    step_s, peak, m = float(np.median(times["step"])), dot_flops / min(times["dot"]), train.last()
     per_token = train_flops_per_token(cfg, T)
     achieved = per_token * B * T / step_s
     print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}); compute {jnp.dtype(dtype).name}, "
@@ -83,6 +72,10 @@ def main() -> None:
     print(f"measured peak ({jnp.dtype(dtype).name} jnp.dot {n}², best): {peak / 1e12:.1f} TFLOP/s")
     print(f"train step: median {step_s * 1e3:.1f} ms, {B * T / step_s:,.0f} tokens/s, {achieved / 1e12:.1f} TFLOP/s")
     print(f"MFU against the measured peak: {achieved / peak:.1%} (target >= 45%); loss {float(m['loss']):.3f}")
+    common.save_from_args(args, {"args": common.arguments(args), "params": cfg.param_count(),
+                                 "flops_per_token": per_token, "step_seconds": times["step"],
+                                 "median_step_seconds": step_s, "tokens_per_second": B * T / step_s,
+                                 "peak_flops": peak, "achieved_flops": achieved, "mfu": achieved / peak})
 
 
 if __name__ == "__main__":

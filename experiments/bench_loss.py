@@ -8,21 +8,24 @@ The full path does 3 products of 2·N·D·V FLOPs (Λ, dR, dU), the chunked one 
 Memory is XLA's plan (``memory_analysis().temp_size_in_bytes``: scratch beyond the arguments and outputs);
 timings alternate between the variants so that drift in machine load hits them alike, median of --rounds.
 
-    python experiments/bench_loss.py                    # B·T = 2 × 2048, D = 512, V = 32768, chunk auto
-    python experiments/bench_loss.py --chunk 512 --dtype bfloat16
-    python experiments/bench_loss.py --quick
+    python -m experiments.bench_loss                    # B·T = 2 × 2048, D = 512, V = 32768, chunk auto
+    python -m experiments.bench_loss --chunk 512 --dtype bfloat16
+    python -m experiments.bench_loss --quick
+
+Writes experiments/results/bench_loss.json (``--save``; nothing under --quick unless asked).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import common
 from mlx_llm.kernels.loss import choose_chunk, chunked_token_nll
 from mlx_llm.objectives.loss import token_nll
 from mlx_llm.ops import dense
@@ -50,6 +53,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="dtype of R and U")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="B·T = 2 × 256, D = 128, V = 8192, 3 rounds")
+    common.add_save_argument(ap, "bench_loss")
     args = ap.parse_args()
     if args.quick:
         args.seq_len, args.d_model, args.vocab, args.rounds = 256, 128, 8192, 3
@@ -67,15 +71,14 @@ def main() -> None:
     variants = {"full logits": loss_grad(full_nll),
                 f"chunked ({chunk} rows)": loss_grad(lambda r, u, y: chunked_token_nll(r, u, y, chunk=chunk))}
     temp = {name: fn.lower(r, u, y).compile().memory_analysis().temp_size_in_bytes for name, fn in variants.items()}
-    results = {name: jax.block_until_ready(fn(r, u, y)) for name, fn in variants.items()}  # warm-up
-    (loss_a, _), (loss_b, _) = results.values()
-    times = {name: [] for name in variants}
-    for _ in range(args.rounds):
-        for name, fn in variants.items():
-            start = time.perf_counter()
-            jax.block_until_ready(fn(r, u, y))
-            times[name].append(time.perf_counter() - start)
+    (loss_a, _), (loss_b, _) = (jax.block_until_ready(fn(r, u, y)) for fn in variants.values())  # warm-up
+    calls = {name: functools.partial(fn, r, u, y) for name, fn in variants.items()}
+    times = common.interleaved_times(calls, warmup=0, rounds=args.rounds)
     report(args, n, d, v, temp, times, float(loss_a), float(loss_b))
+    common.save_from_args(args, {"args": common.arguments(args), "tokens": n, "chunk": chunk,
+                                 "temp_bytes": temp, "seconds": times,
+                                 "median_seconds": {k: statistics.median(t) for k, t in times.items()},
+                                 "loss": {"full": float(loss_a), "chunked": float(loss_b)}})
 
 
 def report(args, n, d, v, temp, times, loss_full, loss_chunked) -> None:

@@ -10,28 +10,28 @@ so that drift in machine load hits them alike; with each, the compiled temporary
   * one attention branch and one SwiGLU branch of experiments/configs/dense.json, for scale: a dense layer is
     both, a Mamba layer of experiments/configs/mamba.json has no FFN.
 
-    python experiments/bench_mamba.py              # the configs' d=128, batch 32, T=128 (the main job's batch)
-    python experiments/bench_mamba.py --quick
+    python -m experiments.bench_mamba              # the configs' d=128, batch 32, T=128 (the main job's batch)
+    python -m experiments.bench_mamba --quick
+
+Writes experiments/results/bench_mamba.json (``--save``; nothing under --quick unless asked).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import time
-from pathlib import Path
+import functools
 
 import jax
 import jax.numpy as jnp
 
-from mlx_llm.kernels.ssm_scan import chunked_scan
-
+from experiments import common
+from experiments.common import CONFIGS
 from mlx_llm import ModelConfig, init_params
+from mlx_llm.kernels.ssm_scan import chunked_scan
 from mlx_llm.layers import attention, ffn, mamba
 from mlx_llm.model import Context
 from mlx_llm.ops import causal_mask
-
-CONFIGS = Path(__file__).parent / "configs"
 
 
 def first_layer(cfg: ModelConfig) -> dict:
@@ -45,6 +45,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--chunk", type=int, default=64, help="positions per chunk of the chunked scan")
     ap.add_argument("--quick", action="store_true", help="batch 4, T=64, 2 rounds")
+    common.add_save_argument(ap, "bench_mamba")
     args = ap.parse_args()
     if args.quick:
         args.batch, args.seq_len, args.rounds = 4, 64, 2
@@ -83,14 +84,8 @@ def main() -> None:
     }
     temp_bytes = {name: fn.lower(*fn_args).compile().memory_analysis().temp_size_in_bytes
                   for name, (fn, fn_args) in variants.items()}
-    for fn, fn_args in variants.values():
-        jax.block_until_ready(fn(*fn_args))
-    best = {name: float("inf") for name in variants}
-    for _ in range(args.rounds):
-        for name, (fn, fn_args) in variants.items():
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*fn_args))
-            best[name] = min(best[name], time.perf_counter() - start)
+    calls = {name: functools.partial(fn, *fn_args) for name, (fn, fn_args) in variants.items()}
+    best = common.time_interleaved(calls, warmup=1, rounds=args.rounds, stat=min)
     print(f"forward+backward, batch {b}, T={t}, d={d}, I={inner}, N={n}, chunk {args.chunk}, "
           f"{jax.device_count()} {jax.devices()[0].platform} device(s); best of {args.rounds}")
     dense_layer = best["attention branch"] + best["SwiGLU branch"]
@@ -103,6 +98,8 @@ def main() -> None:
           f"branch {best['Mamba branch, fused'] / best['Mamba branch, chunked']:.2f}x faster")
     print(f"  Mamba layer (fused) / dense layer (attention + SwiGLU): "
           f"{best['Mamba branch, fused'] / dense_layer:.2f}x the time")
+    common.save_from_args(args, {"args": common.arguments(args), "best_seconds": best, "temp_bytes": temp_bytes,
+                                 "mamba_over_dense_layer": best["Mamba branch, fused"] / dense_layer})
 
 
 if __name__ == "__main__":

@@ -9,19 +9,21 @@ the variants so that drift in machine load hits them alike. ``ragged_dot`` is th
 ``impl="ragged_dot"`` (kernels/gmm.py: jax.lax.ragged_dot on the sorted rows, no padding blocks), the GPU path;
 XLA:CPU lowers it to a masked product with every expert on every row, so on the CPU it trails "block".
 
-    python experiments/bench_moe.py                 # d=512, X=8, k=2, T=512, batch 4
-    python experiments/bench_moe.py --quick
+    python -m experiments.bench_moe                 # d=512, X=8, k=2, T=512, batch 4
+    python -m experiments.bench_moe --quick
+
+Writes experiments/results/bench_moe.json (``--save``; nothing under --quick unless asked).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
 
+from experiments import common
 from mlx_llm import ModelConfig, init_params
 from mlx_llm.layers import ffn, moe
 
@@ -37,13 +39,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--no-ragged", action="store_true", help="skip the ragged_dot reference (slow on CPU)")
     ap.add_argument("--quick", action="store_true", help="d=128, T=128, batch 2, 2 rounds")
+    common.add_save_argument(ap, "bench_moe")
     args = ap.parse_args()
     if args.quick:
         args.d_model, args.expert_d_ff, args.seq_len, args.batch, args.rounds = 128, 176, 128, 2, 2
     d, k, m = args.d_model, args.top_k, args.expert_d_ff
-    common = dict(vocab_size=256, d_model=d, n_layers=1, n_heads=8, n_kv_heads=2, d_head=d // 8, max_seq_len=4096)
-    moe_cfg = ModelConfig(**common, ffn_pattern=("moe",), n_experts=args.experts, moe_top_k=k, moe_d_ff=m)
-    dense_cfg = ModelConfig(**common, d_ff=k * m)
+    shape = dict(vocab_size=256, d_model=d, n_layers=1, n_heads=8, n_kv_heads=2, d_head=d // 8, max_seq_len=4096)
+    moe_cfg = ModelConfig(**shape, ffn_pattern=("moe",), n_experts=args.experts, moe_top_k=k, moe_d_ff=m)
+    dense_cfg = ModelConfig(**shape, d_ff=k * m)
     layer = lambda cfg: jax.tree.map(lambda a: a[0], init_params(cfg, jax.random.key(0))["blocks"])
     z = jax.random.normal(jax.random.key(1), (args.batch, args.seq_len, d))
 
@@ -56,23 +59,22 @@ def main() -> None:
     variants = {"dense SwiGLU": grad_of(ffn.branch, dense_cfg), "MoE (block-sorted)": grad_of(moe.branch, moe_cfg)}
     if not args.no_ragged:
         variants["MoE (ragged_dot)"] = grad_of(functools.partial(moe.branch, impl="ragged_dot"), moe_cfg)
-    for fn, params in variants.values():
-        jax.block_until_ready(fn(z, params))
-    best = {name: float("inf") for name in variants}
-    for _ in range(args.rounds):
-        for name, (fn, params) in variants.items():
-            start = time.perf_counter()
-            jax.block_until_ready(fn(z, params))
-            best[name] = min(best[name], time.perf_counter() - start)
+    calls = {name: functools.partial(fn, z, params) for name, (fn, params) in variants.items()}
+    best = common.time_interleaved(calls, warmup=1, rounds=args.rounds, stat=min)
     n = args.batch * args.seq_len
     flops = 6 * n * k * 3 * d * m  # active FLOPs, the same for every variant
     print(f"FFN forward+backward, d={d}, X={args.experts}, k={k}, m={m} (dense width {k * m}), "
           f"{n} tokens, {jax.device_count()} {jax.devices()[0].platform} device(s); best of {args.rounds}")
+    rows = {}
     for name, seconds in best.items():
         compiled = variants[name][0].cost_analysis()["flops"]  # what XLA will execute, padding and masking included
         print(f"  {name:20s} {seconds * 1e3:8.1f} ms  {flops / seconds / 1e9:7.1f} GFLOP/s (active)  "
               f"{best['dense SwiGLU'] / seconds:5.2f}x of dense  {best['MoE (block-sorted)'] / seconds:5.2f}x of "
               f"block  compiled/active FLOPs {compiled / flops:5.2f}")
+        rows[name] = {"best_seconds": seconds, "active_flops_per_second": flops / seconds,
+                      "of_dense": best["dense SwiGLU"] / seconds, "compiled_over_active_flops": compiled / flops}
+    common.save_from_args(args, {"args": common.arguments(args), "tokens": n, "active_flops": flops,
+                                 "variants": rows})
 
 
 if __name__ == "__main__":

@@ -9,39 +9,27 @@ float32, SDPA attention, logits + cross-entropy, backward, global-norm clipping,
 tokens/s ratio. Timings interleave the dot, our step and the torch step round by round, so drift in machine
 load hits all three alike.
 
-    python experiments/bench_train.py            # d=512, L=8, 8 query / 2 kv heads, T=512, batch 8
-    python experiments/bench_train.py --quick    # a smaller model, for a smoke run
-    python experiments/bench_train.py --remat full --mesh fsdp=1   # options of TrainConfig; prints compiled memory
+    python -m experiments.bench_train            # d=512, L=8, 8 query / 2 kv heads, T=512, batch 8
+    python -m experiments.bench_train --quick    # a smaller model, for a smoke run
+    python -m experiments.bench_train --remat full --mesh fsdp=1   # options of TrainConfig; prints compiled memory
+
+Writes experiments/results/bench_train.json (``--save NAME``: another name for a variant; nothing under --quick
+unless asked).
 """
 
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
+from experiments import common
 from mlx_llm import ModelConfig
 from mlx_llm.scaling.accounting import train_flops_per_token
 from mlx_llm.config import TrainConfig
 from mlx_llm.train.parallel import make_mesh
 from mlx_llm.train.step import device_batch, init_state, jit_train_step, optimizer_for, place_state
-
-
-def timed(fn, *args) -> float:
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    return time.perf_counter() - start
-
-
-def dot_peak_flops(n: int, rounds: int) -> float:
-    """Best FLOP/s of an n×n float32 matmul (2n³ FLOPs), jitted."""
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    f = jax.jit(lambda x, y: x @ y)
-    f(a, a).block_until_ready()
-    return 2 * n**3 / min(timed(f, a, a) for _ in range(rounds))
 
 
 def main() -> None:
@@ -60,6 +48,7 @@ def main() -> None:
     ap.add_argument("--remat", default="none", choices=("none", "full", "dots"))
     ap.add_argument("--mesh", default="", help="TrainConfig.mesh, e.g. data=2 (needs that many devices)")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    common.add_save_argument(ap, "bench_train")
     args = ap.parse_args()
     if args.quick:
         args.d_model, args.layers, args.d_ff, args.seq_len, args.batch, args.rounds = 256, 2, 704, 256, 4, 2
@@ -78,26 +67,17 @@ def main() -> None:
                           "targets": rng.integers(0, cfg.vocab_size, (B, T), dtype=np.int32),
                           "mask": np.ones((B, T), np.float32), "segment_ids": np.zeros((B, T), np.int32),
                           "positions": np.tile(np.arange(T, dtype=np.int32), (B, 1))}, mesh)
-    t0 = time.perf_counter()
-    memory = step.lower(state, batch).compile().memory_analysis()
-    state, m = step(state, batch)
-    jax.block_until_ready(m)
-    compile_s = time.perf_counter() - t0
+    train = common.carry(step, state, batch)
+    memory, compile_s = common.timed(lambda: step.lower(state, batch).compile().memory_analysis())
+    compile_s += common.seconds(train)  # compile + first step
+    dot, dot_flops = common.matmul_timer(2048, "float32")  # best of 3 products per round
+    candidates = {"dot": dot, "ours": lambda: common.seconds(train)}
     if hf is not None:
-        hf()  # warm-up
-
-    step_times, peaks, hf_times = [], [], []
-    for _ in range(args.rounds):
-        peaks.append(dot_peak_flops(2048, 3))
-        start = time.perf_counter()
-        state, m = step(state, batch)
-        jax.block_until_ready(m)
-        step_times.append(time.perf_counter() - start)
-        if hf is not None:
-            start = time.perf_counter()
-            hf()
-            hf_times.append(time.perf_counter() - start)
-    step_s, peak = min(step_times), max(peaks)
+        common.seconds(hf)  # warm-up; ours is warm after its first step, the dot after matmul_timer
+        candidates["hf"] = lambda: common.seconds(hf)
+    times = common.interleaved_times(candidates, warmup=0, rounds=args.rounds, self_timed=True)
+    step_times, hf_times = times["ours"], times.get("hf", [])
+    step_s, peak = min(step_times), dot_flops / min(times["dot"])
     tokens = B * T
     full = train_flops_per_token(cfg, T)
     causal = train_flops_per_token(cfg, T, causal=True)
@@ -118,11 +98,18 @@ def main() -> None:
               f"{', '.join(f'{t:.3f}' for t in hf_times)}; best {hf_s:.3f} s, {tokens / hf_s:,.0f} tokens/s")
         print(f"mlx_llm / HF tokens/s: {hf_s / step_s:.2f}x (best of each); "
               f"{float(np.median(hf_times)) / float(np.median(step_times)):.2f}x (medians)")
+    common.save_from_args(args, {
+        "args": common.arguments(args), "params": cfg.param_count(), "compile_and_first_step_seconds": compile_s,
+        "step_seconds": step_times, "best_step_seconds": step_s, "tokens_per_second": tokens / step_s,
+        "dot_peak_flops": peak, "flops_per_token": {"full": full, "causal": causal},
+        "of_peak": {"full": full * tokens / step_s / peak, "causal": causal * tokens / step_s / peak},
+        "temp_bytes": memory.temp_size_in_bytes, "argument_bytes": memory.argument_size_in_bytes,
+        "hf": {"torch": hf.torch_version, "step_seconds": hf_times} if hf_times else None})
 
 
 def torch_step(params, cfg: ModelConfig, args):
     """One training step of the transformers twin (same weights, same batch shape), or None without the extra."""
-    from hf_twin import try_hf_twin  # experiments/ is on sys.path when this script runs
+    from experiments.hf_twin import try_hf_twin
 
     twin = try_hf_twin(params, cfg)
     if twin is None:

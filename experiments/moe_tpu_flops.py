@@ -6,7 +6,9 @@ mesh the train step sets, for "block", "ragged_dot" and "megablox". Active FLOPs
 ×3 for training, per device N/4 tokens. XLA's cost analysis counts a Pallas kernel by the cost it declares
 (megablox: 2·M·K·N of its padded grid), so the megablox figure is the kernel's own account.
 
-    python experiments/moe_tpu_flops.py [--tokens 4096 --d-model 512 --d-ff 256 --experts 8 --top-k 2]
+    python -m experiments.moe_tpu_flops [--tokens 4096 --d-model 512 --d-ff 256 --experts 8 --top-k 2]
+
+Writes experiments/results/moe_tpu_flops.json (``--save``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
+from experiments import common  # noqa: E402
 from mlx_llm.layers.moe import routed_experts  # noqa: E402
 from mlx_llm.train.preflight import tpu_target  # noqa: E402
 
@@ -51,15 +54,20 @@ def main() -> None:
     ap.add_argument("--d-ff", type=int, default=256)
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--top-k", type=int, default=2)
+    common.add_save_argument(ap, "moe_tpu_flops")
     a = ap.parse_args()
     devices = tpu_target("tpu:v5e-4").devices
     mesh = Mesh(np.asarray(devices).reshape(4), ("data",))
     active = 3 * 3 * 2 * (a.tokens // 4) * a.top_k * a.d_model * a.d_ff  # per device, forward + backward
     print(f"tpu:v5e-4, data=4, N={a.tokens}, D={a.d_model}, F={a.d_ff}, X={a.experts}, k={a.top_k}; "
           f"active FLOPs per device {active:.3e}")
+    compiled = {}
     for impl in ("block", "ragged_dot", "megablox"):
-        flops = compiled_flops(impl, mesh, a.tokens, a.d_model, a.d_ff, a.experts, a.top_k)
+        compiled[impl] = flops = compiled_flops(impl, mesh, a.tokens, a.d_model, a.d_ff, a.experts, a.top_k)
         print(f"{impl:>10}: compiled {flops:.3e} FLOPs per device = {flops / active:.2f}x active")
+    common.save_from_args(a, {"args": common.arguments(a), "target": "tpu:v5e-4", "mesh": "data=4",
+                              "active_flops_per_device": active, "compiled_flops_per_device": compiled,
+                              "compiled_over_active": {k: v / active for k, v in compiled.items()}})
 
 
 if __name__ == "__main__":

@@ -5,14 +5,16 @@ Four runs, each a normal `mlx-llm train` run directory under --out, with the mai
 - dense: experiments/configs/dense.json (the main job's model, 869,504 parameters);
 - moe:   experiments/configs/moe.json (8 experts of width 176, top 2, sigmoid router, offset rate u = 0.01:
          873,600 active, 2,495,616 stored parameters);
-  each model's step time is measured first (after compiling) and its step count set so that its training loop
-  lasts --seconds: the same wall time for both;
+  each model's step count is set by the library's time budget (``fit_time_budget``: the step timed on the run's
+  first batch after compiling, as `mlx-llm train --time-budget` does) so that its training loop lasts
+  --seconds: the same wall time for both;
 - balance-u, balance-u0: the MoE with its u and with u = 0 (offsets frozen at 0), --balance-steps steps each at
   batch --balance-batch, identical otherwise: the load-balancing rule's effect.
 Prints val bits/byte, tokens/s and load imbalance (max/mean expert load, 1 = even) side by side, writes
-results.json and load_imbalance.png (imbalance per step, u > 0 against u = 0) into --out.
+results.json and load_imbalance.png (imbalance per step, u > 0 against u = 0) into --out, and the results to
+experiments/results/moe_vs_dense.json (``--save``).
 
-    python experiments/moe_vs_dense.py --out runs/moe_vs_dense [--seconds 120 --balance-steps 300]
+    python -m experiments.moe_vs_dense --out runs/moe_vs_dense [--seconds 120 --balance-steps 300]
 """
 
 from __future__ import annotations
@@ -20,47 +22,32 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import time
 from pathlib import Path
 
-import jax
 import numpy as np
 
+from experiments import common
+from experiments.common import CONFIGS
 from mlx_llm import ModelConfig
 from mlx_llm.recipes import MAIN_JOB_TRAIN, MAIN_JOB_VOCAB
-from mlx_llm.train.parallel import make_mesh
-from mlx_llm.train.run import DataSpec, METRICS_FILE, train_run
-from mlx_llm.train.step import device_batch, init_state, jit_train_step, optimizer_for
-
-CONFIGS = Path(__file__).parent / "configs"
-
-
-def seconds_per_step(cfg: ModelConfig, tcfg, rounds: int = 6, mask_id: int | None = None) -> float:
-    """Median wall time of one jitted train step on random tokens (compiled first); ``mask_id`` for the
-    diffusion objective."""
-    mesh = make_mesh()
-    step = jit_train_step(cfg, tcfg, mesh, mask_id)
-    state = init_state(cfg, tcfg, optimizer_for(tcfg))
-    rng = np.random.default_rng(0)
-    b, t = tcfg.batch_size, tcfg.seq_len
-    toks = rng.integers(0, cfg.vocab_size, (b, t + 1)).astype(np.int32)
-    batch = device_batch({"tokens": toks[:, :-1], "targets": toks[:, 1:], "mask": np.ones((b, t), np.float32),
-                          "segment_ids": np.zeros((b, t), np.int32),
-                          "positions": np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))}, mesh)
-    state, m = step(state, batch)
-    jax.block_until_ready(m)
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        state, m = step(state, batch)
-        jax.block_until_ready(m)
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+from mlx_llm.runs.configs import DataSpec
+from mlx_llm.train.run import METRICS_FILE, train_run
 
 
 def imbalance_curve(run_dir: Path) -> list[tuple[int, float]]:
     rows = [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines() if line]
     return [(r["step"], float(np.mean(r["load_imbalance"]))) for r in rows if "load_imbalance" in r]
+
+
+def run_result(run_dir: Path, cfg: ModelConfig, batch: int, summary: dict) -> dict:
+    """One run's row of results.json: its size, val bits/byte, throughput and expert-load imbalance."""
+    n, curve = summary["steps"], imbalance_curve(run_dir)
+    return {"steps": n, "batch_size": batch, "offset_rate": cfg.offset_rate, "params": cfg.param_count(),
+            "active_params": cfg.active_param_count(), "val_bpb": summary["val_bpb"],
+            "tokens_per_second": summary["tokens_per_second"], "train_seconds": summary["train_seconds"],
+            "final_imbalance": curve[-1][1] if curve else None,
+            "mean_imbalance_last_half": float(np.mean([v for s, v in curve if s > n / 2])) if curve else None,
+            "imbalance_curve": curve}
 
 
 def main() -> None:
@@ -71,33 +58,24 @@ def main() -> None:
     ap.add_argument("--balance-batch", type=int, default=8)
     ap.add_argument("--data", help="corpus (default: the Python standard library)")
     ap.add_argument("--cache-dir", type=Path)
+    common.add_save_argument(ap, "moe_vs_dense")
     args = ap.parse_args()
     dense = ModelConfig.from_json(CONFIGS / "dense.json")
     moe = ModelConfig.from_json(CONFIGS / "moe.json")
     base = dataclasses.replace(MAIN_JOB_TRAIN, log_interval=5)
     spec = DataSpec(path=args.data, vocab_size=MAIN_JOB_VOCAB)
-    steps = {}
-    for name, cfg in (("dense", dense), ("moe", moe)):
-        sps = seconds_per_step(cfg, base)
-        steps[name] = max(base.warmup_steps + 1, int(args.seconds / sps))
-        print(f"{name}: {sps * 1e3:.1f} ms/step → {steps[name]} steps in {args.seconds:.0f} s")
-    n_bal, b_bal = args.balance_steps, args.balance_batch
-    runs = {"dense": (dense, steps["dense"], base.batch_size), "moe": (moe, steps["moe"], base.batch_size),
-            "balance-u": (moe, n_bal, b_bal), "balance-u0": (dataclasses.replace(moe, offset_rate=0.0), n_bal, b_bal)}
     results = {}
-    for name, (cfg, n, batch) in runs.items():
+    for name, cfg in (("dense", dense), ("moe", moe)):  # the same wall time each
+        summary = common.train_for_seconds(args.out / name, cfg, base, spec, args.seconds, cache_dir=args.cache_dir)
+        results[name] = run_result(args.out / name, cfg, base.batch_size, summary)
+    n, batch = args.balance_steps, args.balance_batch
+    for name, cfg in (("balance-u", moe), ("balance-u0", dataclasses.replace(moe, offset_rate=0.0))):
         tcfg = dataclasses.replace(base, steps=n, eval_interval=n, checkpoint_interval=n, batch_size=batch)
         summary = train_run(args.out / name, cfg, tcfg, spec, cache_dir=args.cache_dir, show_progress=False,
                             log=lambda *a: None)
-        curve = imbalance_curve(args.out / name)
-        results[name] = {"steps": n, "batch_size": batch, "offset_rate": cfg.offset_rate, "params": cfg.param_count(), "active_params": cfg.active_param_count(),
-                         "val_bpb": summary["val_bpb"], "tokens_per_second": summary["tokens_per_second"],
-                         "train_seconds": summary["train_seconds"],
-                         "final_imbalance": curve[-1][1] if curve else None,
-                         "mean_imbalance_last_half": (float(np.mean([v for s, v in curve if s > n / 2]))
-                                                      if curve else None),
-                         "imbalance_curve": curve}
-    (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+        results[name] = run_result(args.out / name, cfg, batch, summary)
+    common.save_result("results", results, args.out)
+    common.save_from_args(args, results)
     print(f"{'run':10s} {'steps':>6s} {'active':>9s} {'stored':>9s} {'val bpb':>8s} {'tok/s':>8s} {'train s':>8s} "
           f"{'imbalance (last half)':>22s}")
     for name, r in results.items():

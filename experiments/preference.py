@@ -1,7 +1,7 @@
 """Preference learning from an SFT run, for the same wall time each (U19 §11–§13, M20 §16): on-policy RL with the
 task's checker as reward, RL with a trained reward model as reward, and DPO; then the β sweep of the KL leash.
 
-The start is an SFT run on --task (--sft; default: `experiments/sft_tasks.py`'s recipe, the main job's model
+The start is an SFT run on --task (--sft; default: `experiments.sft_tasks`'s recipe, the main job's model
 pretrained then fully fine-tuned for --sft-seconds). A Bradley–Terry reward model is trained from it first
 (--rm-seconds; pairs: correct answers against corruptions and the SFT model's own wrong samples). Each method then
 trains for --seconds of loop time (RL's sampling included) at a constant learning rate after warmup; DPO runs
@@ -9,9 +9,9 @@ twice, pure (M20 §16) and with the chosen-reply NLL term (``nll_weight`` 1, RPO
 method: held-out exact match (--eval-examples problems, greedy), KL(π ‖ π_SFT) on held-out prompts (one sampled reply
 each, k1), steps, and the per-step curves (RL: mean checker reward of its samples; DPO: train preference accuracy)
 in preference_curves.png. The β sweep trains RL (checker) for --beta-seconds per β and plots reward against KL
-(leash_frontier.png). Writes results.json into --out.
+(leash_frontier.png). Writes results.json into --out and experiments/results/preference.json (``--save``).
 
-    python experiments/preference.py --out runs/preference [--sft RUN] [--seconds 180]
+    python -m experiments.preference --out runs/preference [--sft RUN] [--seconds 180]
 """
 
 from __future__ import annotations
@@ -19,18 +19,21 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 
+from experiments import common
 from mlx_llm.recipes import MAIN_JOB_MODEL, MAIN_JOB_TRAIN, MAIN_JOB_VOCAB, PREF_TRAIN, SFT_TRAIN
 from mlx_llm.post import loop, tasks
 from mlx_llm.post.dpo import dpo_run
 from mlx_llm.post.reward import reward_run
 from mlx_llm.post.rl import rl_run, sampled_kl
 from mlx_llm.post.sft import REPLY_TOKENS, sft_run
-from mlx_llm.train.run import DataSpec, load_params, train_run
+from mlx_llm.runs.configs import DataSpec, DPOConfig, RewardConfig, RLConfig, SFTConfig
+from mlx_llm.runs.load import load_params
+from mlx_llm.train.metrics import METRICS_FILE
+from mlx_llm.train.run import train_run
 
 LONG = 100_000  # a step count no timed run reaches: --seconds ends it
 
@@ -42,30 +45,27 @@ def timed(tcfg, **changes):
 
 
 def sft_start(out: Path, task: str, seconds: float) -> Path:
-    sys.path.insert(0, str(Path(__file__).parent))
-    from sft_tasks import sft_seconds_per_step
-
+    """The default start: the main job pretrained into OUT/base, then fully fine-tuned on ``task`` for ``seconds``
+    of SFT loop into OUT/sft (either kept if it exists)."""
     base = out / "base"
     if not base.exists():
         spec = DataSpec(vocab_size=MAIN_JOB_VOCAB)
         train_run(base, MAIN_JOB_MODEL, MAIN_JOB_TRAIN, spec, show_progress=False)
-    steps = max(SFT_TRAIN.warmup_steps + 1, int(seconds / sft_seconds_per_step(base, SFT_TRAIN, task, None)))
     run = out / "sft"
     if not run.exists():
-        sft_run(run, base, tcfg=dataclasses.replace(SFT_TRAIN, steps=steps, eval_interval=steps,
-                                                    checkpoint_interval=steps), task=task, show_progress=False)
+        tcfg, _ = common.sft_steps_for(base, SFT_TRAIN, task, seconds)
+        sft_run(run, base, tcfg=tcfg, settings=SFTConfig(task=task), show_progress=False)
     return run
 
 
 def heldout_kl(run: Path, sft: Path, task: str, n: int = 200) -> float:
     base = loop.load_base(sft)
-    cfg, tcfg, _ = loop.read_run_files(run)
     prompts = [tasks.prompt_messages(e) for e in tasks.examples(task, "heldout", n=n)]
-    return sampled_kl(load_params(run, cfg, tcfg), base.params, base, prompts, REPLY_TOKENS[task], seed=1)
+    return sampled_kl(load_params(run), base.params, base, prompts, REPLY_TOKENS[task], seed=1)
 
 
 def curves(run: Path, key: str) -> list:
-    rows = [json.loads(line) for line in (run / loop.METRICS_FILE).read_text().splitlines() if line]
+    rows = [json.loads(line) for line in (run / METRICS_FILE).read_text().splitlines() if line]
     return [(r["step"], r[key]) for r in rows if key in r]
 
 
@@ -130,34 +130,34 @@ def main() -> None:
     ap.add_argument("--eval-examples", type=int, default=500)
     ap.add_argument("--train-examples", type=int, default=4000, help="task problems the pairs are built from")
     ap.add_argument("--replot", action="store_true", help="redraw OUT's plots from its runs and results.json")
+    common.add_save_argument(ap, "preference")
     args = ap.parse_args()
     if args.replot:
-        results = json.loads((args.out / "results.json").read_text())
+        results = common.load_result("results", args.out)
         for name in ("rl_checker", "rl_reward_model", "dpo", "dpo_nll"):
             results[name].pop("curve", None)
             results[name]["curves"] = run_curves(args.out / name, name)
         plot(results, results["leash_frontier"], args.out)
-        (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+        common.save_result("results", results, args.out)
         return
     args.out.mkdir(parents=True, exist_ok=True)
     sft = args.sft or sft_start(args.out, args.task, args.sft_seconds)
     quiet = dict(show_progress=False, log=lambda *a: None)
     n_eval = args.eval_examples
     n_pairs = args.train_examples
-    rm = reward_run(args.out / "reward", sft, tcfg=timed(PREF_TRAIN["reward"]), task=args.task, model_negatives=True,
-                    n_train=n_pairs, max_seconds=args.rm_seconds, **quiet)
+    rm = reward_run(args.out / "reward", sft, tcfg=timed(PREF_TRAIN["reward"]), max_seconds=args.rm_seconds,
+                    settings=RewardConfig(task=args.task, model_negatives=True, n_train=n_pairs), **quiet)
     print(f"reward model: held-out preference accuracy {rm['val_accuracy']:.3f} after {rm['steps']} steps", flush=True)
     runs = {
-        "rl_checker": lambda out, s: rl_run(out, sft, task=args.task, tcfg=timed(PREF_TRAIN["rl"]), max_seconds=s,
-                                            eval_examples=n_eval, **quiet),
-        "rl_reward_model": lambda out, s: rl_run(out, sft, task=args.task, tcfg=timed(PREF_TRAIN["rl"]),
-                                                 reward_model=args.out / "reward", max_seconds=s,
-                                                 eval_examples=n_eval, **quiet),
-        "dpo": lambda out, s: dpo_run(out, sft, task=args.task, tcfg=timed(PREF_TRAIN["dpo"]), model_negatives=True,
-                                      n_train=n_pairs, max_seconds=s, eval_examples=n_eval, **quiet),
-        "dpo_nll": lambda out, s: dpo_run(out, sft, task=args.task, tcfg=timed(PREF_TRAIN["dpo"]), nll_weight=1.0,
-                                          model_negatives=True, n_train=n_pairs, max_seconds=s,
-                                          eval_examples=n_eval, **quiet),
+        "rl_checker": lambda out, s: rl_run(out, sft, tcfg=timed(PREF_TRAIN["rl"]), max_seconds=s,
+                                            settings=RLConfig(task=args.task, eval_examples=n_eval), **quiet),
+        "rl_reward_model": lambda out, s: rl_run(out, sft, tcfg=timed(PREF_TRAIN["rl"]), max_seconds=s,
+                                                 settings=RLConfig(task=args.task, reward_model=args.out / "reward",
+                                                                   eval_examples=n_eval), **quiet),
+        "dpo": lambda out, s: dpo_run(out, sft, tcfg=timed(PREF_TRAIN["dpo"]), max_seconds=s, settings=DPOConfig(
+            task=args.task, model_negatives=True, n_train=n_pairs, eval_examples=n_eval), **quiet),
+        "dpo_nll": lambda out, s: dpo_run(out, sft, tcfg=timed(PREF_TRAIN["dpo"]), max_seconds=s, settings=DPOConfig(
+            task=args.task, nll_weight=1.0, model_negatives=True, n_train=n_pairs, eval_examples=n_eval), **quiet),
     }
     results = {"sft": str(sft), "task": args.task, "seconds": args.seconds, "reward_model": rm}
     for name, run in runs.items():
@@ -171,14 +171,15 @@ def main() -> None:
     frontier = {}
     for beta in args.betas.split(","):
         name = f"beta_{beta}"
-        rl_run(args.out / name, sft, task=args.task, beta=float(beta), tcfg=timed(PREF_TRAIN["rl"]),
-               max_seconds=args.beta_seconds, eval_examples=n_eval, **quiet)
+        rl_run(args.out / name, sft, tcfg=timed(PREF_TRAIN["rl"]), max_seconds=args.beta_seconds,
+               settings=RLConfig(task=args.task, beta=float(beta), eval_examples=n_eval), **quiet)
         rewards = [v for _, v in curves(args.out / name, "accuracy")]  # the checker's reward
         frontier[beta] = {"kl": heldout_kl(args.out / name, sft, args.task), "reward": float(np.mean(rewards[-20:]))}
         print(f"β = {beta}: KL {frontier[beta]['kl']:.4f}, reward {frontier[beta]['reward']:.3f}", flush=True)
     results["leash_frontier"] = frontier
     plot(results, frontier, args.out)
-    (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    common.save_result("results", results, args.out)
+    common.save_from_args(args, results)
 
 
 if __name__ == "__main__":

@@ -27,13 +27,13 @@ so that budget showed no valley (a 16-sequence pilot at 3.5e10: losses rising mo
 
 Each point trains in ``<out>/runs/<name>`` with ``train_loop`` and appends one row to ``<out>/sweep.csv``;
 rerunning the command skips points whose row exists and resumes a half-finished one, so an interrupted sweep
-continues where it stopped. Then ``fit.json`` (Approach 3 with bootstrap intervals, Approach 2) and three
-plots are written.
+continues where it stopped. Then ``fit.json`` (Approach 3 with bootstrap intervals, Approach 2, and the
+provenance of the fit) and three plots are written; experiments/results/ holds a copy of one full sweep's outputs.
 
-    python experiments/scaling_sweep.py                 # the full sweep: 19 min on 2 shared CPU cores
-    python experiments/scaling_sweep.py --quick         # CI: tiny models, few steps; compile-bound, ~1.5 min
+    python -m experiments.scaling_sweep                 # the full sweep: 19 min on 2 shared CPU cores
+    python -m experiments.scaling_sweep --quick         # CI: tiny models, few steps; compile-bound, ~1.5 min
                                                         # with XLA_FLAGS=--xla_backend_optimization_level=0
-    python experiments/scaling_sweep.py --fit-only --out runs/sweep-full   # refit and replot a finished sweep
+    python -m experiments.scaling_sweep --fit-only --out runs/sweep-full   # refit and replot a finished sweep
 """
 
 from __future__ import annotations
@@ -49,15 +49,14 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # run from a checkout without installing
-
+from experiments import common
 from mlx_llm.train import data as data_lib
 from mlx_llm.train import tokenizer as tok_lib
-from mlx_llm.train.checkpoint import CONFIG_FILE, write_run_files
+from mlx_llm.runs.record import CONFIG_FILE, RunRecord, write_run
 from mlx_llm.config import ModelConfig, TrainConfig
 from mlx_llm.errors import ConfigError
-from mlx_llm.train.run import DataSpec, train_loop
+from mlx_llm.runs.configs import DataSpec
+from mlx_llm.train.run import train_loop
 
 COLUMNS = ("name", "budget", "d_model", "n_layers", "n_heads", "d_ff", "N", "N_total", "D", "C", "steps",
            "batch_size", "seq_len", "lr", "warmup_steps", "loss", "val_bpb", "val_ppl", "wall_seconds",
@@ -185,7 +184,7 @@ def run_point(out: Path, point: dict, spec: DataSpec, tok, corpus, log=print) ->
     run_dir = out / "runs" / point["name"]
     resume = (run_dir / CONFIG_FILE).is_file()
     if not resume:
-        write_run_files(run_dir, cfg, tcfg, {"data": spec.to_dict()})
+        write_run(run_dir, cfg, tcfg, RunRecord(kind="pretrain", data=spec))
         tok.save(run_dir)
     t0 = time.perf_counter()
     summary = train_loop(run_dir, cfg, tcfg, corpus, resume=resume, show_progress=False, log=log)["summary"]
@@ -267,7 +266,7 @@ def write_outputs(out: Path, runs: dict, result: dict, budgets, dpi: int = 90) -
 
     from mlx_llm.scaling.laws import chinchilla_loss, compute_optimal, loss_at_budget
 
-    (out / "fit.json").write_text(json.dumps({k: v for k, v in result.items() if k != "params"}, indent=2) + "\n")
+    common.save_result("fit", {k: v for k, v in result.items() if k != "params"}, out)
     params, iso = result["params"], result["approach2"]
     paths = [out / "loss_vs_compute.png", out / "isoflop.png", out / "fitted_surface.png"]
     C_axis = np.geomspace(runs["C"].min() / 2, runs["C"].max() * 2, 100)
@@ -338,7 +337,7 @@ def main(argv=None) -> int:
     ap.add_argument("--bootstrap", type=int, default=None, help="bootstrap replicates of the Approach 3 fit")
     args = ap.parse_args(argv)
     setting = QUICK if args.quick else FULL
-    out = args.out or REPO / "runs" / time.strftime("sweep-%Y%m%d-%H%M%S")
+    out = args.out or common.REPO / "runs" / time.strftime("sweep-%Y%m%d-%H%M%S")
     t0 = time.perf_counter()
     csv_path = out / "sweep.csv" if args.fit_only else sweep(out, setting, args.cache_dir)
     runs = load_sweep(csv_path)

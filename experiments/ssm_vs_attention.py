@@ -3,13 +3,16 @@
 
 Models (experiments/configs/): dense.json (the main job's attention model, 869,504 parameters), mamba.json
 (6 Mamba-1 layers, no FFN, 830,848), hybrid.json (Mamba / attention+SwiGLU alternating, 733,568). Each model's
-step time is measured first (after compiling) and its step count set so that its training loop lasts --seconds,
-with the main job's other training settings; each run is a normal `mlx-llm train` run directory under --out.
+step count is set by the library's time budget (``fit_time_budget``: the step timed on the run's first batch
+after compiling, as `mlx-llm train --time-budget` does) so that its training loop lasts --seconds, with the main
+job's other training settings; each run is a normal `mlx-llm train` run directory under --out.
 Then, for each trained model: decode steps/s at batch 1 (a jitted one-token cached step; prefill excluded) after
 prompts of 128 / 512 / 2048 tokens, and the decode state's bytes at those contexts (`accounting.
-decode_state_bytes`: the KV cache grows with the context, the Mamba state does not). Writes results.json.
+decode_state_bytes`: the KV cache grows with the context, the Mamba state does not). ``step_seconds`` and
+``train_tokens_per_second`` are the training loop's own. Writes results.json into --out and
+experiments/results/ssm_vs_attention.json (``--save``).
 
-    python experiments/ssm_vs_attention.py --out runs/ssm_vs_attention [--seconds 120]
+    python -m experiments.ssm_vs_attention --out runs/ssm_vs_attention [--seconds 120]
 """
 
 from __future__ import annotations
@@ -17,21 +20,21 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import time
 from pathlib import Path
 
 import jax
 import numpy as np
 
+from experiments import common
+from experiments.common import CONFIGS
 from mlx_llm import ModelConfig
 from mlx_llm.decode.state import forward_cached, init_cache, unstack_layers
 from mlx_llm.recipes import MAIN_JOB_TRAIN, MAIN_JOB_VOCAB
 from mlx_llm.scaling.accounting import decode_state_bytes
-from mlx_llm.train.checkpoint import read_run_files
-from mlx_llm.train.run import DataSpec, load_params, train_run
-from moe_vs_dense import seconds_per_step
+from mlx_llm.runs.configs import DataSpec
+from mlx_llm.runs.load import load_params
+from mlx_llm.runs.record import open_run
 
-CONFIGS = Path(__file__).parent / "configs"
 CONTEXTS = (128, 512, 2048)
 
 
@@ -46,13 +49,20 @@ def decode_tokens_per_second(params, cfg: ModelConfig, context: int, new_tokens:
     step = jax.jit(lambda layers, p, t, s: forward_cached(p, t, s, cfg, layers=layers), donate_argnums=3)
     _, state = prefill(params, prompt, init_cache(cfg, 1, context + new_tokens + 1))
     token = np.array([[5]], np.int32)
-    logits, state = step(layers, params, token, state)  # compile
-    jax.block_until_ready(logits)
-    start = time.perf_counter()
-    for _ in range(new_tokens - 1):
-        logits, state = step(layers, params, token, state)
-    jax.block_until_ready(logits)
-    return (new_tokens - 1) / (time.perf_counter() - start)
+
+    def one_step(s):
+        logits, s = step(layers, params, token, s)
+        return s, logits
+
+    decode = common.carry(one_step, state)
+    common.seconds(decode)  # compile
+
+    def steps():
+        for _ in range(new_tokens - 1):
+            decode()
+        return decode.last()
+
+    return (new_tokens - 1) / common.seconds(steps)
 
 
 def main() -> None:
@@ -62,27 +72,25 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--data", help="corpus (default: the Python standard library)")
     ap.add_argument("--cache-dir", type=Path)
+    common.add_save_argument(ap, "ssm_vs_attention")
     args = ap.parse_args()
     base = dataclasses.replace(MAIN_JOB_TRAIN, log_interval=5)
     spec = DataSpec(path=args.data, vocab_size=MAIN_JOB_VOCAB)
     results = {}
     for name in ("dense", "mamba", "hybrid"):
         cfg = ModelConfig.from_json(CONFIGS / f"{name}.json")
-        sps = seconds_per_step(cfg, base)
-        steps = max(base.warmup_steps + 1, int(args.seconds / sps))
-        tcfg = dataclasses.replace(base, steps=steps, eval_interval=steps, checkpoint_interval=steps)
-        summary = train_run(args.out / name, cfg, tcfg, spec, cache_dir=args.cache_dir, show_progress=False,
-                            log=lambda *a: None)
-        cfg, tcfg, _ = read_run_files(args.out / name)
-        params = load_params(args.out / name, cfg, tcfg)
+        summary = common.train_for_seconds(args.out / name, cfg, base, spec, args.seconds, cache_dir=args.cache_dir)
+        cfg = open_run(args.out / name).cfg
+        params = load_params(args.out / name)
         results[name] = {
-            "params": cfg.param_count(), "step_seconds": sps, "steps": steps, "val_bpb": summary["val_bpb"],
-            "train_tokens_per_second": tcfg.batch_size * tcfg.seq_len / sps,
+            "params": cfg.param_count(), "step_seconds": summary["step_seconds"], "steps": summary["steps"],
+            "val_bpb": summary["val_bpb"], "train_tokens_per_second": summary["tokens_per_second"],
             "decode_tokens_per_second": {c: decode_tokens_per_second(params, cfg, c, args.new_tokens)
                                          for c in CONTEXTS},
             "decode_state_bytes": {c: decode_state_bytes(cfg, c) for c in CONTEXTS}}
         print(name, json.dumps(results[name]))
-    (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    common.save_result("results", results, args.out)
+    common.save_from_args(args, results)
     print(f"{'model':7s} {'params':>9s} {'steps':>6s} {'val bpb':>8s} {'train tok/s':>11s} "
           + " ".join(f"{'dec/s@' + str(c):>10s}" for c in CONTEXTS) + " "
           + " ".join(f"{'state@' + str(c):>11s}" for c in CONTEXTS))

@@ -1,0 +1,309 @@
+"""What the experiments share: step timing, equal-time training, and results written with their provenance.
+
+Timing. ``seconds`` times one call, waiting for its result with ``jax.block_until_ready``; ``time_steps`` is the
+median (or ``stat``) of ``rounds`` calls after ``warmup`` untimed ones (the first compiles). Scripts that compare
+several paths side by side use ``time_interleaved``: every round runs each candidate once, in turn, so a change
+of machine load during the run hits all of them alike. ``carry`` turns a training step ``state, out = step(state,
+*args)`` into a function of no arguments that keeps its own state, so a step is timed like anything else.
+
+Equal time. ``train_for_seconds`` sizes a pretraining run with the library's own ``fit_time_budget`` (the step
+timed by ``mlx_llm.train.run.seconds_per_step`` on the run's first batch, after compiling), the path
+``mlx-llm train --time-budget`` takes. Fine-tuning steps have no such function in the library, so
+``sft_steps_for`` times them here (``sft_seconds_per_step``, on real packed task rows, LoRA or full).
+
+Results. ``save_result(name, payload)`` writes experiments/results/NAME.json: the payload's own keys unchanged
+(a list payload becomes ``{"rows": [...]}``) plus ``provenance``: the git commit and whether the tree differed
+from it (``git status --porcelain``, the results directory itself not counted), the versions of the numerical
+stack, the devices, the command (``python -m experiments.NAME ...``), the XLA/JAX environment variables set, the
+host's load average and the UTC date. ``add_save_argument`` / ``save_from_args`` give every script the same
+``--save NAME`` option.
+
+Nothing here imports jax at module level: the TPU-compile scripts set ``JAX_PLATFORMS`` before jax is imported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+EXPERIMENTS = Path(__file__).resolve().parent
+REPO = EXPERIMENTS.parent
+CONFIGS = EXPERIMENTS / "configs"
+RESULTS = EXPERIMENTS / "results"
+VERSIONED = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "torch", "transformers", "libtpu")
+ENVIRONMENT = ("JAX_PLATFORMS", "JAX_ENABLE_X64", "XLA_FLAGS", "CUDA_VISIBLE_DEVICES", "TPU_VISIBLE_CHIPS")
+MAX_LISTED_CHANGES = 50
+LONG = 10**9  # an interval no run reaches; fit_time_budget caps it to the run's steps (evaluate once, at the end)
+
+
+# ----- timing -------------------------------------------------------------------------------------------------
+def timed(fn: Callable, *args, **kwargs) -> tuple[Any, float]:
+    """(``fn(*args, **kwargs)``, wall seconds of the call), the result waited for with ``jax.block_until_ready``."""
+    import jax
+
+    start = time.perf_counter()
+    out = jax.block_until_ready(fn(*args, **kwargs))
+    return out, time.perf_counter() - start
+
+
+def seconds(fn: Callable, *args, **kwargs) -> float:
+    """Wall seconds of one call of ``fn(*args, **kwargs)``, its result waited for."""
+    return timed(fn, *args, **kwargs)[1]
+
+
+def step_times(fn: Callable, *args, warmup: int = 1, rounds: int = 5) -> list[float]:
+    """Seconds of each of ``rounds`` calls of ``fn(*args)``, after ``warmup`` untimed calls (the first compiles)."""
+    for _ in range(warmup):
+        seconds(fn, *args)
+    return [seconds(fn, *args) for _ in range(rounds)]
+
+
+def time_steps(fn: Callable, *args, warmup: int = 1, rounds: int = 5, stat: Callable = statistics.median) -> float:
+    """``stat`` (median by default; ``min`` for best-of) of ``step_times``."""
+    return float(stat(step_times(fn, *args, warmup=warmup, rounds=rounds)))
+
+
+def interleaved_times(candidates: Mapping[str, Callable[[], Any]], *, warmup: int = 1, rounds: int = 5,
+                      self_timed: bool = False) -> dict[str, list[float]]:
+    """Seconds of every round of every candidate (functions of no arguments), the candidates taking turns within
+    each round after ``warmup`` untimed calls each. ``self_timed``: each candidate returns its own seconds (for a
+    call with an untimed set-up, a prefill say) instead of being timed whole."""
+    measure = (lambda fn: fn()) if self_timed else seconds
+    for fn in candidates.values():
+        for _ in range(warmup):
+            measure(fn)
+    times = {name: [] for name in candidates}
+    for _ in range(rounds):
+        for name, fn in candidates.items():
+            times[name].append(float(measure(fn)))
+    return times
+
+
+def time_interleaved(candidates: Mapping[str, Callable[[], Any]], *, warmup: int = 1, rounds: int = 5,
+                     stat: Callable = statistics.median, self_timed: bool = False) -> dict[str, float]:
+    """``stat`` of each candidate's ``interleaved_times``."""
+    times = interleaved_times(candidates, warmup=warmup, rounds=rounds, self_timed=self_timed)
+    return {name: float(stat(t)) for name, t in times.items()}
+
+
+def carry(step: Callable, state, *args) -> Callable[[], Any]:
+    """A function of no arguments running ``state, out = step(state, *args)`` on a state it keeps (the next call
+    continues from the new one, so donated buffers are never reused) and returning ``out``; ``.state()`` and
+    ``.last()`` read the current state and the last call's ``out``."""
+    box = [state, None]
+
+    def run():
+        box[0], box[1] = step(box[0], *args)
+        return box[1]
+
+    run.state, run.last = (lambda: box[0]), (lambda: box[1])
+    return run
+
+
+def matmul_timer(n: int, dtype: str = "float32", calls: int = 3) -> tuple[Callable[[], float], float]:
+    """(a self-timed candidate: the best seconds of ``calls`` jitted n×n products, float32 accumulation, compiled
+    and warmed; the FLOPs of one product, 2n³): the machine's matmul peak, timed alongside a step."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
+    dot = jax.jit(lambda x, y: jnp.matmul(x, y, preferred_element_type=jnp.float32))
+    seconds(dot, a, a)
+    return (lambda: min(seconds(dot, a, a) for _ in range(calls))), 2.0 * n**3
+
+
+# ----- equal-time training -----------------------------------------------------------------------------------
+def train_for_seconds(run_dir, cfg, tcfg, spec, budget: float, *, cache_dir=None, label: str | None = None) -> dict:
+    """``train_run`` with as many steps as fit ``budget`` seconds of training loop, chosen by the library's
+    ``fit_time_budget``; evaluation and checkpoint only at the end. Prints the budget's line; returns the run's
+    summary plus ``step_seconds``, the loop's measured seconds per step (train_seconds / steps)."""
+    from mlx_llm.train.run import train_run
+
+    label = label or Path(run_dir).name
+
+    def log(*parts):
+        text = " ".join(str(p) for p in parts)
+        if text.startswith("time budget"):
+            print(f"{label}: {text}", flush=True)
+
+    tcfg = dataclasses.replace(tcfg, eval_interval=LONG, checkpoint_interval=LONG)
+    summary = train_run(run_dir, cfg, tcfg, spec, cache_dir=cache_dir, show_progress=False, time_budget=budget,
+                        log=log)
+    return {**summary, "step_seconds": summary["train_seconds"] / max(summary["steps_this_session"], 1)}
+
+
+def sft_seconds_per_step(base_run, tcfg, task: str, lora_cfg=None, rounds: int = 5) -> float:
+    """Median wall time of one jitted SFT step (full, or LoRA with ``lora_cfg``) on real packed rows of ``task``
+    from ``base_run``'s tokenizer, after one compiling call."""
+    import jax
+
+    from mlx_llm.post import lora as lora_lib
+    from mlx_llm.post.chat import ChatTemplate
+    from mlx_llm.post.loop import load_base
+    from mlx_llm.post.sft import load_data
+    from mlx_llm.train import tokenizer as tok_lib
+    from mlx_llm.train.parallel import make_mesh, replicated
+    from mlx_llm.train.step import device_batch, init_state, jit_train_step, optimizer_for
+
+    base = load_base(base_run)
+    cfg, params = base.cfg, base.params
+    data = load_data(tok_lib.load(base_run), ChatTemplate(), tcfg.seq_len, task=task, n_train=2000, seed=0)
+    mesh = make_mesh()
+    trainable = params if lora_cfg is None else lora_lib.init(params, lora_cfg, jax.random.key(0))
+    extra = () if lora_cfg is None else (jax.device_put(params, replicated(mesh)),)
+    step = jit_train_step(cfg, tcfg, mesh, None, lora_cfg)
+    state = jax.device_put(init_state(cfg, tcfg, optimizer_for(tcfg), trainable), replicated(mesh))
+    batch = device_batch(data.train_batch(0, batch_size=tcfg.batch_size, seq_len=tcfg.seq_len, seed=0), mesh)
+    return time_steps(carry(step, state, batch, *extra), warmup=1, rounds=rounds)
+
+
+def sft_steps_for(base_run, tcfg, task: str, budget: float, lora_cfg=None):
+    """(``tcfg`` with as many steps as fit ``budget`` seconds of SFT loop, at least warmup + 1, evaluating and
+    checkpointing at the end only; the measured seconds per step)."""
+    per_step = sft_seconds_per_step(base_run, tcfg, task, lora_cfg)
+    steps = max(tcfg.warmup_steps + 1, int(budget / per_step))
+    return dataclasses.replace(tcfg, steps=steps, eval_interval=steps, checkpoint_interval=steps), per_step
+
+
+# ----- provenance ---------------------------------------------------------------------------------------------
+def _git(*args: str) -> str | None:
+    try:
+        proc = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=60, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return proc.stdout if proc.returncode == 0 else None
+
+
+def git_state() -> dict:
+    """The commit checked out, whether the working tree differs from it (``git status --porcelain``; changes under
+    experiments/results/ do not count, so writing one result does not mark the next one dirty) and the first
+    ``MAX_LISTED_CHANGES`` changed paths. None for both without git."""
+    commit, status = _git("rev-parse", "HEAD"), _git("status", "--porcelain")
+    if commit is None or status is None:
+        return {"commit": None, "dirty": None, "changed": []}
+    results = RESULTS.relative_to(REPO).as_posix() + "/"
+    paths = [line[3:].split(" -> ")[-1].strip('"') for line in status.splitlines() if line.strip()]
+    changed = [p for p in paths if not p.startswith(results)]
+    return {"commit": commit.strip(), "dirty": bool(changed), "changed": changed[:MAX_LISTED_CHANGES]}
+
+
+def versions() -> dict:
+    """Installed versions of the numerical stack (None: not installed) and of Python."""
+    out = {}
+    for dist in VERSIONED:
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[dist] = None
+    return {**out, "python": platform.python_version()}
+
+
+def devices() -> dict:
+    """The JAX devices this process sees: platform, kind and count."""
+    import jax
+
+    devs = jax.devices()
+    return {"platform": devs[0].platform, "kind": devs[0].device_kind, "count": len(devs)}
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    """The command that ran, an experiment written as ``python -m experiments.NAME ...`` (how it is run)."""
+    argv = list(sys.argv if argv is None else argv)
+    if argv and argv[0].endswith(".py") and Path(argv[0]).resolve().parent == EXPERIMENTS:
+        return shlex.join(["python", "-m", f"experiments.{Path(argv[0]).stem}", *argv[1:]])
+    return shlex.join(["python", *argv])
+
+
+def load_average() -> list[float] | None:
+    """The host's 1, 5 and 15 minute load averages when the result is written (this run included): timings taken
+    on a shared machine say so here. None where the OS has none."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
+def provenance() -> dict:
+    """Where a result comes from: git state, versions, devices, command, environment, load and UTC date (no host
+    name)."""
+    return {**git_state(), "versions": versions(), "devices": devices(), "command": command_line(),
+            "environment": {k: os.environ[k] for k in ENVIRONMENT if k in os.environ},
+            "load_average": load_average(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+# ----- results ------------------------------------------------------------------------------------------------
+def _jsonable(value):
+    if hasattr(value, "tolist"):  # numpy and jax scalars and arrays
+        return value.tolist()
+    if isinstance(value, Path):
+        return str(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
+def save_result(name: str, payload, directory=RESULTS, *, indent: int = 2) -> Path:
+    """Write ``directory/NAME.json``: a dict payload with its keys unchanged, a list payload as ``{"rows": ...}``,
+    plus a ``provenance`` block. Written to a temporary file first, so a reader never sees half a file."""
+    if isinstance(payload, Mapping):
+        if "provenance" in payload:
+            raise ValueError("the payload has its own 'provenance' key: save_result writes that one")
+        body = {**payload, "provenance": provenance()}
+    else:
+        body = {"rows": list(payload), "provenance": provenance()}
+    path = Path(directory) / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(body, indent=indent, default=_jsonable) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def load_result(name: str, directory=RESULTS):
+    """The payload ``save_result`` wrote (without its provenance; a list payload as the list), or a file written
+    before provenance existed, as it is."""
+    data = json.loads((Path(directory) / f"{name}.json").read_text())
+    if isinstance(data, dict):
+        data = {k: v for k, v in data.items() if k != "provenance"}
+        if set(data) == {"rows"}:
+            return data["rows"]
+    return data
+
+
+def add_save_argument(ap, name: str) -> None:
+    """``--save NAME``: write the result to experiments/results/NAME.json (default ``name``; under ``--quick``
+    nothing unless asked; ``--save ''`` writes nothing)."""
+    ap.add_argument("--save", metavar="NAME", default=None,
+                    help=f"result file experiments/results/NAME.json (default {name}; none under --quick; '' for none)")
+    ap.set_defaults(result_name=name)
+
+
+def save_from_args(args, payload, **kwargs) -> Path | None:
+    """``save_result`` under the name ``add_save_argument`` resolved from ``args``; prints the path written."""
+    name = args.save if args.save is not None else (None if getattr(args, "quick", False) else args.result_name)
+    if not name:
+        return None
+    path = save_result(name, payload, **kwargs)
+    print(f"wrote {path.relative_to(REPO) if path.is_relative_to(REPO) else path}", flush=True)
+    return path
+
+
+def arguments(args) -> dict:
+    """The parsed options as plain values, for a payload (the save options left out)."""
+    return {k: _plain(v) for k, v in vars(args).items() if k not in ("save", "result_name")}
+
+
+def _plain(value):
+    return str(value) if isinstance(value, Path) else value
