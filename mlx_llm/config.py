@@ -293,7 +293,7 @@ class TrainConfig(JsonConfig):
     warmup_steps: int = setting(50, "steps of linear warmup to the peak lr")
     final_lr_fraction: float = setting(0.1, "the cosine's end, as a fraction of the peak lr")
     clip_norm: float = setting(1.0, "global gradient-norm clip")
-    weight_decay: float = setting(0.1, "AdamW weight decay (matrices only; norms and biases are not decayed)")
+    weight_decay: float = setting(0.1, "AdamW weight decay (on every parameter but the RMSNorm gains)")
     b1: float = setting(0.9, "AdamW β₁")
     b2: float = setting(0.95, "AdamW β₂")
     grad_accum: int = setting(1, "micro-batches per step (gradients accumulated; the loss is the step's mean)")

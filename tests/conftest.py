@@ -6,6 +6,7 @@ Tests of float32 / bfloat16 paths pass explicit dtypes. The library itself never
 import gc
 
 import jax
+import numpy as np
 import pytest
 
 jax.config.update("jax_enable_x64", True)
@@ -36,3 +37,15 @@ def arithmetic_sft(base_run, tmp_path_factory):
     from tiny_runs import sft_arithmetic
 
     return sft_arithmetic(tmp_path_factory.mktemp("arithmetic"), base_run)
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory):
+    """A small corpus of 12 word-salad .py files (the training tests' data; see helpers.spec_for)."""
+    d = tmp_path_factory.mktemp("corpus")
+    rng = np.random.default_rng(0)
+    words = ["def", "return", "self", "value", "import", "class", "for", "in", "if", "else", "x", "y", "(", ")", ":"]
+    for i in range(12):
+        lines = [" ".join(rng.choice(words, size=8)) for _ in range(60)]
+        (d / f"doc{i:02d}.py").write_text("\n".join(lines) + "\n")
+    return d

@@ -1,7 +1,59 @@
-"""Helpers shared by the test files (a test file never imports another test file)."""
+"""Helpers shared by the test files (a test file never imports another test file; shared fixtures live in
+conftest.py)."""
 
+import contextlib
 import hashlib
+import io
+import subprocess
 from pathlib import Path
+
+import chex
+
+from mlx_llm import ModelConfig
+from mlx_llm.config import TrainConfig
+from mlx_llm.runs.configs import DataSpec
+
+REPO = Path(__file__).resolve().parents[1]
+
+# The small dense model tests build when its exact shape does not matter; every field can be overridden.
+TINY_CFG = dict(vocab_size=64, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_head=4, d_ff=32, max_seq_len=32)
+
+
+def tiny_cfg(**overrides) -> ModelConfig:
+    """A small valid ModelConfig (``TINY_CFG``) with ``overrides`` applied (any ModelConfig field)."""
+    return ModelConfig(**{**TINY_CFG, **overrides})
+
+
+# The training tests' model (test_train.py, test_reliability.py): byte-level vocabulary, two layers.
+TINY = tiny_cfg(vocab_size=263, n_heads=2, n_kv_heads=1, d_head=8, max_seq_len=64)
+
+
+def tiny_train(**kw):
+    base = dict(batch_size=4, seq_len=32, steps=6, lr=1e-2, warmup_steps=2, eval_interval=3, eval_tokens=256,
+                checkpoint_interval=3, log_interval=1, seed=0)
+    return TrainConfig(**{**base, **kw})
+
+
+def spec_for(corpus_dir):
+    return DataSpec(path=str(corpus_dir), extensions=(".py",), val_percent=20.0, tokenizer="byte")
+
+
+def assert_trees_equal(a, b):
+    chex.assert_trees_all_equal_structs(a, b)
+    chex.assert_trees_all_equal(a, b)  # bitwise, leaf by leaf
+
+
+def cli_in_process(*args):
+    """``mlx_llm.cli.main`` with captured output, as a CompletedProcess."""
+    from mlx_llm import cli as cli_lib
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli_lib.main([str(a) for a in args])
+        except SystemExit as exc:  # argparse errors exit
+            code = exc.code
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def snapshot(root: Path) -> dict:

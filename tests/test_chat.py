@@ -8,11 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mlx_llm import ModelConfig, forward, init_params
+from mlx_llm import forward, init_params
 from mlx_llm.errors import DataError, InputError
 from mlx_llm.objectives.loss import masked_cross_entropy
 from mlx_llm.post.chat import ChatTemplate, read_conversations, training_arrays
 from mlx_llm.train.tokenizer import ByteTokenizer
+from helpers import tiny_cfg
 
 TOK = ByteTokenizer()
 TEMPLATE = ChatTemplate()
@@ -42,8 +43,7 @@ def test_u19_s9_masked_and_unmasked_loss():
 
 
 def test_prompt_tokens_change_the_answer_loss_through_attention():
-    cfg = ModelConfig(vocab_size=TOK.vocab_size, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_head=8,
-                      d_ff=16, max_seq_len=64)
+    cfg = tiny_cfg(vocab_size=TOK.vocab_size, n_layers=1, n_heads=2, n_kv_heads=1, d_head=8, d_ff=16, max_seq_len=64)
     params = init_params(cfg, jax.random.key(0))
     ids, target = TEMPLATE.encode(CONV[1:3], TOK)
     arrays = training_arrays(ids, target)

@@ -2,8 +2,6 @@
 entry point in a subprocess; the error cases call ``cli.main`` in this process (the same code below the
 ``__main__`` guard, without a ~2 s interpreter start per case), and a few of them also go through a subprocess."""
 
-import contextlib
-import io
 import json
 import os
 import subprocess
@@ -12,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import snapshot
+from helpers import cli_in_process, snapshot
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -21,19 +19,6 @@ def cli(*args, env_extra=None, timeout=600, stdin=None):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env_extra or {})}
     return subprocess.run([sys.executable, "-m", "mlx_llm", *map(str, args)], capture_output=True, text=True,
                           env=env, timeout=timeout, cwd=REPO, input=stdin)
-
-
-def cli_in_process(*args):
-    """``mlx_llm.cli.main`` with captured output, as a CompletedProcess."""
-    from mlx_llm import cli as cli_lib
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = cli_lib.main([str(a) for a in args])
-        except SystemExit as exc:  # argparse errors exit
-            code = exc.code
-    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +149,7 @@ def test_batch_not_divisible_by_devices(workspace):
     assert snapshot(workspace) == before
 
 
+@pytest.mark.slow
 def test_train_and_generate_a_hybrid_config(workspace, tmp_path):
     """`train --config` and `generate` on a Mamba + attention hybrid (the configs in experiments/configs/ have
     the same shape, only larger): the run trains, evaluates, samples and decodes through the mixed state."""
@@ -194,6 +180,7 @@ def test_shipped_variant_configs_load():
     assert kinds["dense"] == ({"attn"}, {"swiglu"}) and "moe" in kinds["moe"][1]
 
 
+@pytest.mark.slow
 def test_sft_lora_eval_task_and_export_merged(workspace, tmp_path):
     """`sft` with LoRA on a built-in task, then `eval-task` on it and `export-merged` to a plain run that
     `generate` reads."""

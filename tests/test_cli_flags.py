@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from mlx_llm.cli import build_parser
+from mlx_llm.cli import parser as parser_lib
 from mlx_llm.cli.flags import given
 from mlx_llm.config import TrainConfig
 
@@ -19,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def subcommands() -> dict[str, argparse.ArgumentParser]:
-    return build_parser()._subparsers._group_actions[0].choices
+    return parser_lib.subcommands(build_parser())
 
 
 def test_every_flag_of_every_subcommand_has_help_text():
@@ -80,3 +81,20 @@ def test_files_honour_the_umask(tmp_path):
         os.umask(old)
     assert oct(os.stat(tmp_path / "tokenizer.json").st_mode & 0o777) == oct(0o640)
     assert oct(os.stat(tmp_path / "x.json").st_mode & 0o777) == oct(0o640)
+
+
+@pytest.mark.parametrize("command, kept", [("eval", False), ("generate", False), ("chat", False), ("train", True),
+                                           ("dpo", True)])
+def test_ctrl_c_names_the_checkpoint_only_for_training_commands(monkeypatch, capsys, command, kept):
+    from mlx_llm import cli
+    from mlx_llm.cli import commands
+
+    def interrupted(*_):
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(commands.COMMANDS, command, interrupted)
+    argv = {"eval": ["eval", "--run", "r"], "generate": ["generate", "--run", "r", "--prompt", "x"],
+            "chat": ["chat", "--run", "r"], "train": ["train"], "dpo": ["dpo", "--out", "o"]}[command]
+    assert cli.main(argv) == 130
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"mlx-llm {command}: interrupted") and ("last checkpoint is kept" in err) == kept

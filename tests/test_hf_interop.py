@@ -18,7 +18,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from mlx_llm import ModelConfig, forward, generate, init_params
-from mlx_llm.config import TrainConfig
+from mlx_llm.config import TrainConfig, umask_mode
 from mlx_llm.errors import CheckpointError, ConfigError, DataError
 from mlx_llm.interop import export_model, export_run, import_hf, load_hf
 from mlx_llm.layers import moe
@@ -30,7 +30,9 @@ from mlx_llm.runs.load import load_params
 from mlx_llm.runs.record import BaseRef, RunRecord, open_run, write_run
 from mlx_llm.train.checkpoint import Checkpoints
 from mlx_llm.train.step import init_state, optimizer_for
-from test_cli import cli_in_process
+from helpers import cli_in_process
+
+pytestmark = pytest.mark.slow  # torch + transformers, and a tiny run per architecture
 
 LOGIT_TOL = 1e-4
 TEXTS = ["", "hello world", "  two  spaces\n\ttab\r\nCRLF", "naïve café — 数学 🙂", "def f(x):\n    return x**2\n",
@@ -216,6 +218,8 @@ def test_import_of_export_is_bitwise_identity(exported, tmp_path, arch):
     assert_same_params(load_params(run), params)
     again = export_run(run, tmp_path / "again")  # and out again: the same tensors, byte for byte
     assert (again / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
+    for written in (again / "model.safetensors", run / "tokenizer.json"):  # the umask's mode, not 0600
+        assert os.stat(written).st_mode & 0o777 == umask_mode(), written
 
 
 @pytest.mark.parametrize("arch", ["llama", "mamba", "mixtral"])
@@ -300,7 +304,8 @@ def _edit_run(src: Path, dst: Path, file: str, edit) -> Path:
 
 
 def test_reward_diffusion_and_untrained_runs_refused(llama_run, tmp_path):
-    reward = _edit_run(llama_run, tmp_path / "reward", "run.json", lambda o: o.update(post={"kind": "reward"}))
+    reward = _edit_run(llama_run, tmp_path / "reward", "run.json", lambda o: o.update(
+        kind="reward", base={"run": str(llama_run), "step": 0}, settings={"task": "arithmetic"}))
     with pytest.raises(ConfigError, match="reward model"):
         export_run(reward, tmp_path / "out1")
     diffusion = _edit_run(llama_run, tmp_path / "diff", "train_config.json", lambda o: o.update(objective="diffusion"))

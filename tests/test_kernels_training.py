@@ -68,6 +68,7 @@ def test_moe_paths_train_the_same(impl):
     assert_same_run(MOE, tcfg, x64=impl != "megablox")
 
 
+@pytest.mark.slow
 def test_chunked_scan_and_chunked_loss_train_the_same():
     ref_params, ref_losses = train(MAMBA, REF)
     params, losses = train(dataclasses.replace(MAMBA, ssm_scan="chunked"), dataclasses.replace(REF, loss_chunk=7))

@@ -6,16 +6,17 @@ import numpy as np
 import optax
 import pytest
 
-from mlx_llm import ModelConfig, init_params
+from mlx_llm import init_params
 from mlx_llm import forward as _forward
 from mlx_llm.errors import ConfigError
 from mlx_llm.objectives.loss import masked_cross_entropy
 from mlx_llm.post import lora
 from mlx_llm.scaling.accounting import lora_minillm_params, lora_params
+from helpers import tiny_cfg
 
-CFG = ModelConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_head=4, d_ff=24, max_seq_len=16)
-HYBRID = ModelConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_head=4, d_ff=24,
-                     max_seq_len=16, mixer_pattern=("mamba", "attn"), ffn_pattern=("none", "swiglu"), ssm_state=4)
+CFG = tiny_cfg(vocab_size=32, d_ff=24, max_seq_len=16)
+HYBRID = tiny_cfg(vocab_size=32, d_ff=24, max_seq_len=16, mixer_pattern=("mamba", "attn"),
+                  ffn_pattern=("none", "swiglu"), ssm_state=4)
 forward = jax.jit(_forward, static_argnums=2)
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 32, (2, 12)))
 

@@ -73,6 +73,7 @@ def test_stored_vs_active_counts_from_config():
     assert small.param_count() == 2 * 13 * d + 2 * (2 * d * 16 + 2 * d * 8 + d + per_layer_moe) + d
 
 
+@pytest.mark.slow
 def test_init_params_matches_counts_and_layout():
     for cfg in (moe_cfg(), moe_cfg(n_shared_experts=2, tie_embeddings=True),
                 moe_cfg(n_layers=4, d_ff=10, ffn_pattern=("moe", "swiglu"))):
@@ -144,6 +145,7 @@ def _tiny_batch(cfg, b=2, t=8, seed=0):
             "segment_ids": jnp.zeros((b, t), jnp.int32), "positions": jnp.broadcast_to(jnp.arange(t), (b, t))}
 
 
+@pytest.mark.slow
 def test_offsets_get_exactly_zero_gradient_and_no_optimizer_state():
     cfg = moe_cfg()
     params = init_params(cfg, jax.random.key(1), jnp.float64)

@@ -69,6 +69,7 @@ def test_mesh_spec_parsing_and_errors():
         TrainConfig(mesh="pipe=2")
 
 
+@pytest.mark.slow
 def test_remat_lowers_compiled_memory_and_keeps_gradients():
     """jax.checkpoint per layer: the same loss and gradients, and less temporary memory in the compiled step
     (XLA's own memory analysis of the compiled executable)."""
@@ -175,6 +176,7 @@ def eight_devices():
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", ["data=8", "data=2,fsdp=4", "fsdp=8", "data=2,fsdp=2,tensor=2"])
 def test_sharded_training_equals_one_device(eight_devices, spec):
     """3 steps of a mixed attention/MoE/SwiGLU stack: losses and parameters (MoE offsets included, which the
@@ -187,6 +189,7 @@ def test_sharded_training_equals_one_device(eight_devices, spec):
     assert r["offsets_moved"] > 0
 
 
+@pytest.mark.slow
 def test_fsdp_splits_parameter_and_optimizer_bytes(eight_devices):
     """Per-device bytes read from the arrays' shardings: ≈ total / fsdp (norm gains and the tiny MoE offsets
     stay replicated, hence the small excess), and every device holds everything on a data-only mesh."""
@@ -199,6 +202,7 @@ def test_fsdp_splits_parameter_and_optimizer_bytes(eight_devices):
     assert eight_devices["data=2,fsdp=2,tensor=2"]["wq_spec"] == str(P(None, "fsdp", "tensor", None))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["fsdp=8", "one device"])
 def test_checkpoint_restores_under_another_mesh(eight_devices, target):
     r = eight_devices[f"restore {target}"]
@@ -256,6 +260,7 @@ def _metric_rows(run):
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_two_processes_equal_one_process(two_process_runs):
     from mlx_llm.runs.load import load_params
 

@@ -8,14 +8,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mlx_llm import ModelConfig, forward, init_params
+from mlx_llm import forward, init_params
 from mlx_llm.errors import ConfigError, DataError
 from mlx_llm.objectives.loss import log_softmax
 from mlx_llm.post import dpo, pairs, reward, rl
 from mlx_llm.post.chat import ChatTemplate
 from mlx_llm.train.tokenizer import ByteTokenizer
+from helpers import tiny_cfg
 
-CFG = ModelConfig(vocab_size=263, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, d_head=8, d_ff=32, max_seq_len=48)
+CFG = tiny_cfg(vocab_size=263, n_heads=2, n_kv_heads=1, d_head=8, max_seq_len=48)
 TOK, TEMPLATE = ByteTokenizer(), ChatTemplate()
 FORWARD = jax.jit(forward, static_argnums=2)
 INIT = jax.jit(lambda cfg, key: init_params(cfg, key, dtype=jnp.float64), static_argnums=0)

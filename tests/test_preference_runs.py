@@ -21,6 +21,8 @@ from mlx_llm.runs.record import open_run
 from helpers import snapshot
 from tiny_runs import SFT
 
+pytestmark = pytest.mark.slow  # every test starts from the shared 4,000-step SFT run (conftest.py)
+
 QUIET = dict(show_progress=False, log=lambda *a: None)
 TASK = "arithmetic"
 

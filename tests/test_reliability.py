@@ -19,8 +19,7 @@ from mlx_llm.runs.load import load_params
 from mlx_llm.runs.record import open_run
 from mlx_llm.train.checkpoint import LOCK_FILE, MANIFEST_FILE, Checkpoints, check_run_dir, locked_run_dir, run_lock
 from mlx_llm.train.run import train_run
-from test_cli import cli_in_process, snapshot
-from test_train import TINY, assert_trees_equal, corpus_dir, spec_for, tiny_train  # noqa: F401 (a fixture)
+from helpers import TINY, assert_trees_equal, cli_in_process, snapshot, spec_for, tiny_train
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -75,6 +74,7 @@ HOLDER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_second_process_is_refused_while_the_first_holds_the_lock(tmp_path, finished, corpus_dir):
     """A real second process holds the locks of a finished run (as a resumed run would) and of a new directory
     (as a new run would, having just created it): train / train --resume / sft / dpo / rl / reward there are
@@ -164,6 +164,7 @@ def flip_bytes(step_dir):
     return r"the bytes of \S+ changed after it was written \(sha256 differs\)"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", [truncate, delete_metadata, flip_bytes])
 def test_damaged_latest_checkpoint_is_named_with_the_previous_intact_one(tmp_path, finished, damage):
     out = copy_run(finished, tmp_path / "run")
@@ -176,6 +177,7 @@ def test_damaged_latest_checkpoint_is_named_with_the_previous_intact_one(tmp_pat
     assert_trees_equal(params_of(out, 3), params_of(finished, 3))
 
 
+@pytest.mark.slow
 def test_no_intact_checkpoint_and_checkpoints_without_a_manifest(tmp_path, finished):
     out = copy_run(finished, tmp_path / "run")
     flip_bytes(out / "checkpoints" / "3")
@@ -193,6 +195,7 @@ def test_no_intact_checkpoint_and_checkpoints_without_a_manifest(tmp_path, finis
         params_of(old)
 
 
+@pytest.mark.slow
 def test_resume_from_the_previous_good_step(tmp_path, finished):
     """Silent damage to the latest checkpoint: resume and eval refuse and change nothing; eval --step 3 works;
     train --resume --from-step 3 sets the damaged step aside (not deleted) and retrains to the very same run."""
@@ -216,6 +219,7 @@ def test_resume_from_the_previous_good_step(tmp_path, finished):
     assert (out / "metrics.jsonl").read_text() == (finished / "metrics.jsonl").read_text()
 
 
+@pytest.mark.slow
 def test_resume_refusals_change_nothing(tmp_path, finished):
     out = copy_run(finished, tmp_path / "run")
     cases = [(["train", "--resume", "--out", out, "--steps", 4], r"--steps 4 would shorten .* it was set to 6 "
@@ -243,6 +247,7 @@ def test_resume_refusals_change_nothing(tmp_path, finished):
 
 
 # ----- extending a finished run ----------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_extending_a_finished_run(tmp_path, finished):
     """--resume --steps 9 on a 6-step run: steps 1–6 untouched, 7–9 at the final lr (peak · final_lr_fraction,
     the schedule's value after its end), summary / plot / sample rewritten, and the extended run itself resumes

@@ -40,6 +40,7 @@ def test_pack_keeps_conversations_apart():
         pack(convs, 10, tok.pad_id)
 
 
+@pytest.mark.slow
 def test_full_sft_teaches_arithmetic(arithmetic_sft):
     """The shared 4,000-step run: held-out exact match over all 1,000 held-out problems, from 0 to above 15 %."""
     summary = json.loads((arithmetic_sft / "summary.json").read_text())

@@ -2,7 +2,7 @@
 to end in a subprocess (training 15 tiny models, both fits, the plots), then a rerun that must train nothing."""
 
 import csv
-import importlib.util
+import importlib
 import json
 import math
 import os
@@ -16,22 +16,13 @@ import pytest
 from mlx_llm.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "experiments" / "scaling_sweep.py"
 REQUIRED = ("name", "d_model", "n_layers", "N", "N_total", "D", "C", "steps", "batch_size", "seq_len", "loss",
             "val_bpb", "wall_seconds")
 PLOTS = ("loss_vs_compute.png", "isoflop.png", "fitted_surface.png")
 PARAMS = ("E", "A", "B", "alpha", "beta")
 
 
-def _load_module():
-    spec = importlib.util.spec_from_file_location("scaling_sweep", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
-sweep_mod = _load_module()
+sweep_mod = importlib.import_module("experiments.scaling_sweep")  # the repository root is on sys.path (python -m)
 
 
 # ----- the grid, without training ------------------------------------------------------------------------------
@@ -70,7 +61,7 @@ def quick_out(tmp_path_factory):
     # its CPU time by about a third; the steps themselves run slower, which a few thousand tiny steps can afford.
     flags = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
-    command = [sys.executable, str(SCRIPT), "--quick", "--out", str(out / "sweep"), "--cache-dir", str(out / "cache")]
+    command = [sys.executable, "-m", "experiments.scaling_sweep", "--quick", "--out", str(out / "sweep"), "--cache-dir", str(out / "cache")]
     proc = subprocess.run(command, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out
@@ -91,6 +82,7 @@ def _huber_objective(params, N, D, L, delta=1e-3):
     return float(np.sum(np.where(np.abs(r) <= delta, 0.5 * r * r, delta * (np.abs(r) - 0.5 * delta))))
 
 
+@pytest.mark.slow
 def test_csv_rows(quick_out):
     rows = _rows(quick_out)
     assert len(rows) >= 15 and set(REQUIRED) <= set(rows[0])
@@ -107,6 +99,7 @@ def test_csv_rows(quick_out):
     np.testing.assert_allclose(ratio, ratio[0], rtol=2e-5)
 
 
+@pytest.mark.slow
 def test_fit_json(quick_out):
     fit = json.loads((quick_out / "sweep" / "fit.json").read_text())
     a3 = fit["approach3"]
@@ -129,12 +122,14 @@ def test_fit_json(quick_out):
         assert "budgets" in a2["error"]
 
 
+@pytest.mark.slow
 def test_plots(quick_out):
     for name in PLOTS:
         data = (quick_out / "sweep" / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
 
 
+@pytest.mark.slow
 def test_rerun_trains_nothing(quick_out):
     before = (quick_out / "sweep" / "sweep.csv").read_text()
     lines = []
@@ -143,6 +138,7 @@ def test_rerun_trains_nothing(quick_out):
     assert sum("already in sweep.csv, skipped" in line for line in lines) == len(_rows(quick_out)) >= 15
 
 
+@pytest.mark.slow
 def test_other_grid_refused(quick_out):
     with pytest.raises(ConfigError, match="another grid"):
         sweep_mod.sweep(quick_out / "sweep", sweep_mod.FULL, quick_out / "cache")

@@ -8,44 +8,21 @@ import subprocess
 import sys
 from pathlib import Path
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mlx_llm import ModelConfig, forward
+from mlx_llm import forward
 from mlx_llm.train.checkpoint import Checkpoints
 from mlx_llm.config import TrainConfig
 from mlx_llm.errors import CheckpointError, ConfigError
 from mlx_llm.train.metrics import TrainingDiverged
-from mlx_llm.runs.configs import DataSpec
 from mlx_llm.runs.load import load_params
 from mlx_llm.train.run import train_run
+from helpers import TINY, assert_trees_equal, spec_for, tiny_cfg, tiny_train
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = ModelConfig(vocab_size=263, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, d_head=8, d_ff=32, max_seq_len=64)
-
-
-def tiny_train(**kw):
-    base = dict(batch_size=4, seq_len=32, steps=6, lr=1e-2, warmup_steps=2, eval_interval=3, eval_tokens=256,
-                checkpoint_interval=3, log_interval=1, seed=0)
-    return TrainConfig(**{**base, **kw})
-
-
-@pytest.fixture(scope="module")
-def corpus_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("corpus")
-    rng = np.random.default_rng(0)
-    words = ["def", "return", "self", "value", "import", "class", "for", "in", "if", "else", "x", "y", "(", ")", ":"]
-    for i in range(12):
-        lines = [" ".join(rng.choice(words, size=8)) for _ in range(60)]
-        (d / f"doc{i:02d}.py").write_text("\n".join(lines) + "\n")
-    return d
-
-
-def spec_for(corpus_dir):
-    return DataSpec(path=str(corpus_dir), extensions=(".py",), val_percent=20.0, tokenizer="byte")
 
 
 def run(out, corpus_dir, tcfg, *, resume=False, cfg=TINY, cache=None):
@@ -56,11 +33,6 @@ def run(out, corpus_dir, tcfg, *, resume=False, cfg=TINY, cache=None):
 
 def final_params(out):
     return jax.device_get(load_params(out))
-
-
-def assert_trees_equal(a, b):
-    chex.assert_trees_all_equal_structs(a, b)
-    chex.assert_trees_all_equal(a, b)  # bitwise, leaf by leaf
 
 
 @pytest.fixture(scope="module")
@@ -185,6 +157,7 @@ def test_segment_mask_isolates_documents_in_a_training_window(corpus_dir):
     assert not np.allclose(outs[0][0, 6:10], outs[1][0, 6:10])
 
 
+@pytest.mark.slow
 def test_sigkill_mid_training_resumes_from_last_checkpoint(tmp_path, corpus_dir):
     """A run killed with SIGKILL (no chance to clean up) resumes from its last checkpoint and finishes."""
     import signal
@@ -243,11 +216,11 @@ def test_bfloat16_compute_keeps_float32_master_weights(corpus_dir):
     assert np.isfinite(float(metrics["loss"]))
 
 
-TINY_MOE = ModelConfig(vocab_size=263, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, d_head=8, d_ff=32,
-                       max_seq_len=64, ffn_pattern=("moe", "swiglu"), n_experts=4, moe_top_k=2, moe_d_ff=8,
-                       offset_rate=0.01)
+TINY_MOE = tiny_cfg(vocab_size=263, n_heads=2, n_kv_heads=1, d_head=8, max_seq_len=64, ffn_pattern=("moe", "swiglu"),
+                    n_experts=4, moe_top_k=2, moe_d_ff=8, offset_rate=0.01)
 
 
+@pytest.mark.slow
 def test_moe_run_logs_expert_load_and_resumes_bitwise(tmp_path, corpus_dir):
     """An MoE run end to end: offsets move by the control rule and are checkpointed; metrics carry the expert
     load; a resumed run equals the uninterrupted one bit for bit (offsets included)."""

@@ -19,11 +19,9 @@ __all__ = ["build_parser", "main"]
 
 
 def main(argv=None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    sub = parser._subparsers._group_actions[0].choices[args.command]
+    args = build_parser().parse_args(argv)
     try:
-        return COMMANDS[args.command](args, given(args), sub)
+        return COMMANDS[args.command](args, given(args), args.subparser)
     except MLXLLMError as exc:
         print(f"mlx-llm {args.command}: error: {exc}", file=sys.stderr)
     except OSError as exc:

@@ -152,4 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
         add_post(sub, kind)
     add_inspect(sub)
     add_files(sub)
+    for parser in sub.choices.values():
+        parser.set_defaults(subparser=parser)  # a command names its own flags in its errors (flags.flags_of)
     return ap
+
+
+def subcommands(ap: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """{name: parser} of ``build_parser``'s subcommands."""
+    return next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction)).choices
