@@ -54,12 +54,13 @@ def pair_weight(m, beta):
 
 
 # ----- in a model ---------------------------------------------------------------------------------------------
-def pair_logprobs(params, cfg, batch, kernels=None, *, remat: str = "none"):
-    """((ℓ(y⁺|c), ℓ(y⁻|c)), expert loads) of a pair batch, both sides in one forward pass."""
+def pair_logprobs(params, cfg, batch, kernels=None, *, remat: str = "none", return_aux: bool = False):
+    """(ℓ(y⁺|c), ℓ(y⁻|c)) of a pair batch, both sides in one forward pass; with ``return_aux``,
+    ((ℓ(y⁺|c), ℓ(y⁻|c)), the forward's MoE expert loads)."""
     both = pairs_lib.concat_sequences(batch["chosen"], batch["rejected"])
     lp, load = pairs_lib.response_logprobs(params, cfg, both, kernels, remat=remat, return_aux=True)
     n = batch["chosen"]["ids"].shape[0]
-    return (lp[:n], lp[n:]), load
+    return ((lp[:n], lp[n:]), load) if return_aux else (lp[:n], lp[n:])
 
 
 @functools.lru_cache(maxsize=16)  # one function per setting: its jitted update compiles once
@@ -73,9 +74,9 @@ def make_objective(cfg, beta: float, lora_cfg, nll_weight: float = 0.0, kernels=
     ``kernels``: the execution paths of both forwards."""
 
     def objective(trainable, frozen, batch, key):
-        ref_c, ref_r = jax.lax.stop_gradient(pair_logprobs(frozen["reference"], cfg, batch, kernels)[0])
+        ref_c, ref_r = jax.lax.stop_gradient(pair_logprobs(frozen["reference"], cfg, batch, kernels))
         (lp_c, lp_r), load = pair_logprobs(loop.policy_params(trainable, frozen, lora_cfg), cfg, batch, kernels,
-                                           remat=remat)
+                                           remat=remat, return_aux=True)
         m = margin(lp_c, lp_r, ref_c, ref_r, beta)
         n_chosen = jnp.sum(batch["chosen"]["target"][:, 1:], axis=-1)
         nll = jnp.sum(-lp_c / n_chosen) if nll_weight else 0.0

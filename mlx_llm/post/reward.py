@@ -70,12 +70,12 @@ def sequence_rewards(params, head_D, cfg: ModelConfig, seqs, kernels=None, *, re
     return (r_B, load) if return_aux else r_B
 
 
-def pair_rewards(params, head_D, cfg, batch, kernels=None, *, remat: str = "none"):
-    """((r⁺, r⁻), expert loads) of a pair batch, both sides in one forward pass."""
+def pair_rewards(params, head_D, cfg, batch, kernels=None, *, remat: str = "none", return_aux: bool = False):
+    """(r⁺, r⁻) of a pair batch, both sides in one forward pass; with ``return_aux``, ((r⁺, r⁻), expert loads)."""
     both = pairs_lib.concat_sequences(batch["chosen"], batch["rejected"])
     r, load = sequence_rewards(params, head_D, cfg, both, kernels, remat=remat, return_aux=True)
     n = batch["chosen"]["ids"].shape[0]
-    return (r[:n], r[n:]), load
+    return ((r[:n], r[n:]), load) if return_aux else (r[:n], r[n:])
 
 
 @functools.lru_cache(maxsize=16)  # one function per setting: its jitted update compiles once
@@ -85,7 +85,8 @@ def make_objective(cfg: ModelConfig, lora_cfg, kernels=None, remat: str = "none"
 
     def objective(trainable, frozen, batch, key):
         params = loop.policy_params(trainable["model"], frozen, lora_cfg)
-        (r_c, r_r), load = pair_rewards(params, trainable["reward_head"], cfg, batch, kernels, remat=remat)
+        (r_c, r_r), load = pair_rewards(params, trainable["reward_head"], cfg, batch, kernels, remat=remat,
+                                        return_aux=True)
         n = jnp.asarray(r_c.shape[0], jnp.float32)
         return jnp.sum(bt_loss(r_c, r_r)), (n, load, {"accuracy": jnp.sum((r_c > r_r).astype(r_c.dtype)),
                                                       "reward_gap": jnp.sum(r_c - r_r)})
