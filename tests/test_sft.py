@@ -82,6 +82,10 @@ def test_lora_run_checkpoints_adapters_merges_and_resumes(base_run, tmp_path):
     sft_run(cut, resume=True, show_progress=False, log=lambda *a: None)
     chex.assert_trees_all_equal(jax.device_get(load_params(cut)), jax.device_get(merged_params))
     assert (cut / "metrics.jsonl").read_text() == (full / "metrics.jsonl").read_text()
+    # extending it (the one resume rule of every kind): the record and train_config.json say what was done
+    sft_run(cut, resume=True, changes={"steps": 8}, show_progress=False, log=lambda *a: None)
+    extended = open_run(cut)
+    assert extended.tcfg.steps == 8 and extended.record.schedule_steps == 6 and extended.latest_step() == 8
 
 
 def test_sft_refusals_leave_nothing(base_run, tmp_path):

@@ -35,6 +35,7 @@ from mlx_llm.decode.generate import generate
 from mlx_llm.post import loop
 from mlx_llm.post.loop import run_template
 from mlx_llm.runs.configs import SFTConfig
+from mlx_llm.runs.resume import record_resume
 from mlx_llm.train.checkpoint import locked_run_dir
 from mlx_llm.train.preflight import check_fits
 from mlx_llm.train.run import train_loop
@@ -175,7 +176,8 @@ def sft_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, settings
         out = train_loop(run_dir, cfg, tcfg, sft_data, resume=resume, show_progress=show_progress, log=log,
                          initial_params=trainable, frozen=base_params if lora_cfg is not None else None,
                          lora_cfg=lora_cfg, from_step=plan.step if plan and plan.from_step else None,
-                         schedule_steps=plan and plan.schedule_steps)
+                         schedule_steps=plan and plan.schedule_steps,
+                         on_restored=(lambda: record_resume(run_dir, tcfg, plan)) if plan else None)
         summary = {**out["summary"], "trainable_params": n_trainable}
         if s.task is not None:
             after = eval_task(out["params"], cfg, tok, s.task, template, n=s.eval_examples)
