@@ -3,7 +3,6 @@ tokenizer encodes like ours; import(export(x)) = x bit for bit; every refusal na
 
 Needs the ``hf`` extra (torch, transformers). Tiny float32 models; no network (HF_HUB_OFFLINE)."""
 
-import dataclasses
 import json
 import os
 import shutil

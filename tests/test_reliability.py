@@ -11,7 +11,6 @@ import textwrap
 from pathlib import Path
 
 import jax
-import numpy as np
 import pytest
 
 from mlx_llm.errors import CheckpointError, ConfigError
