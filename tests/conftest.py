@@ -4,10 +4,13 @@ Tests of float32 / bfloat16 paths pass explicit dtypes. The library itself never
 """
 
 import gc
+import shutil
+from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
+from filelock import FileLock
 
 jax.config.update("jax_enable_x64", True)
 jax.config.update("jax_platforms", "cpu")
@@ -23,20 +26,35 @@ def _release_compiled_functions():
     gc.collect()
 
 
+def _built_once(tmp_path_factory, worker_id: str, name: str, build):
+    """``build(dir)`` run once per test session, also when pytest-xdist spreads the session over workers: the
+    workers share their session's temporary root, and a file lock lets the first one build while the others wait
+    for it (a build that raised leaves no marker, so the next worker builds again and raises the same error)."""
+    if worker_id == "master":  # no xdist: this process is the whole session
+        return build(tmp_path_factory.mktemp(name))
+    root = tmp_path_factory.getbasetemp().parent / name
+    with FileLock(str(root) + ".lock"):
+        if not (root / "BUILT").exists():
+            shutil.rmtree(root, ignore_errors=True)
+            root.mkdir()
+            (root / "BUILT").write_text(str(build(root)))
+        return Path((root / "BUILT").read_text())
+
+
 @pytest.fixture(scope="session")
-def base_run(tmp_path_factory):
+def base_run(tmp_path_factory, worker_id):
     """A tiny byte-level pretrained run (tests/tiny_runs.py), shared by the fine-tuning tests."""
     from tiny_runs import pretrain
 
-    return pretrain(tmp_path_factory.mktemp("base"))
+    return _built_once(tmp_path_factory, worker_id, "base", pretrain)
 
 
 @pytest.fixture(scope="session")
-def arithmetic_sft(base_run, tmp_path_factory):
+def arithmetic_sft(base_run, tmp_path_factory, worker_id):
     """``base_run`` fine-tuned on arithmetic (tests/tiny_runs.py): the SFT test's run and the preference runs' start."""
     from tiny_runs import sft_arithmetic
 
-    return sft_arithmetic(tmp_path_factory.mktemp("arithmetic"), base_run)
+    return _built_once(tmp_path_factory, worker_id, "arithmetic", lambda root: sft_arithmetic(root, base_run))
 
 
 @pytest.fixture(scope="module")

@@ -160,6 +160,7 @@ def test_train_flops_per_token_formula():
     assert 0.05 < share < 0.2
 
 
+@pytest.mark.slow
 def test_train_flops_per_token_matches_xla_count():
     """XLA's own count of one training step (value_and_grad of the loss) agrees with the formula.
 

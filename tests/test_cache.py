@@ -74,6 +74,7 @@ def test_next_query_uses_absolute_position_3(ex):
 
 
 # ----- equivalence: full = token by token = prefill + chunks; batch = each alone ---------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
 @pytest.mark.parametrize("i", range(len(CONFIGS)))
 def test_full_equals_token_by_token_equals_chunks(i, dtype):
@@ -92,6 +93,7 @@ def test_full_equals_token_by_token_equals_chunks(i, dtype):
     np.testing.assert_array_equal(cache.lengths, [12, 12])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
 def test_batch_of_different_lengths_equals_each_alone(dtype):
     cfg, params, _ = model(0, dtype)

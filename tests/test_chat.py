@@ -42,6 +42,7 @@ def test_u19_s9_masked_and_unmasked_loss():
     assert np.all(np.abs(np.asarray(grad[0, 4:])) > 1e-3)
 
 
+@pytest.mark.slow
 def test_prompt_tokens_change_the_answer_loss_through_attention():
     cfg = tiny_cfg(vocab_size=TOK.vocab_size, n_layers=1, n_heads=2, n_kv_heads=1, d_head=8, d_ff=16, max_seq_len=64)
     params = init_params(cfg, jax.random.key(0))

@@ -45,6 +45,7 @@ def workspace(tmp_path_factory):
     return ws
 
 
+@pytest.mark.slow
 def test_eval_and_generate_on_a_run(workspace):
     proc = cli("eval", "--run", workspace / "run", "--cache-dir", workspace / "cache")
     assert proc.returncode == 0, proc.stderr
@@ -123,6 +124,7 @@ SUBPROCESS_CASES = {i for i, (args, _) in enumerate(CASES)
                     if args[:3] == ["train", "--data", "{ws}/empty"] or "--bogus" in args or "{ws}/sft4" in args}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, message, run", [(a, m, cli_in_process) for a, m in CASES]
                          + [(CASES[i][0], CASES[i][1], cli) for i in sorted(SUBPROCESS_CASES)],
                          ids=[" ".join(c[0][:3]) for c in CASES] + [f"subprocess {i}" for i in sorted(SUBPROCESS_CASES)])
@@ -139,6 +141,7 @@ def test_user_errors(workspace, args, message, run):
     assert snapshot(workspace) == before  # nothing pre-existing modified, no run directory created
 
 
+@pytest.mark.slow
 def test_batch_not_divisible_by_devices(workspace):
     before = snapshot(workspace)
     proc = cli("train", "--data", workspace / "corpus", "--out", workspace / "new7", "--config",

@@ -77,6 +77,7 @@ def _nelbo_draws(p, x_BT, key):
     return diffusion.nelbo_terms(p, x_BT, key, CFG, mask_id=MASK, antithetic=True)[0]
 
 
+@pytest.mark.slow
 def test_monte_carlo_nelbo_matches_exact_integral():
     x = np.array([0, 2, 1])
     exact = diffusion.exact_nelbo(log_prob_fn(x), x)
@@ -146,6 +147,7 @@ def test_sampler_output_log_prob_is_consistent_with_sampling():
 
 
 # ----- 4. no leakage ------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_prediction_at_a_masked_position_does_not_depend_on_its_clean_token():
     """Gradient of log p_θ(x_i | z_t) at a masked i with respect to the one-hot of x_i (entering through the
     corruption z = m·MASK + (1 − m)·x): exactly zero; for an unmasked j, the prediction at i does depend on x_j."""

@@ -82,6 +82,7 @@ def test_layer_scan_decode_equals_unrolled(params, ragged, greedy_run):
     np.testing.assert_allclose(scanned.logp, greedy_run.logp, rtol=1e-12)
 
 
+@pytest.mark.slow
 def test_ragged_batch_equals_each_prompt_alone(params, ragged, greedy_run):
     for b, row in enumerate(ROWS):
         alone = generate(params, CFG, ragged[0][b : b + 1], 6, prompt_lengths=[len(row)])
@@ -89,6 +90,7 @@ def test_ragged_batch_equals_each_prompt_alone(params, ragged, greedy_run):
         np.testing.assert_allclose(alone.logp[0], greedy_run.logp[b], rtol=1e-12)
 
 
+@pytest.mark.slow
 def test_eos_stops_a_row_and_pads(params, ragged, greedy_run):
     eos = int(greedy_run.tokens[0, 2])
     out = generate(params, CFG, ragged[0], 6, prompt_lengths=ragged[1], eos_id=eos, pad_id=11)
@@ -105,6 +107,7 @@ def test_eos_stops_a_row_and_pads(params, ragged, greedy_run):
 SAMPLE = dict(temperature=0.9, top_k=6, top_p=0.9)
 
 
+@pytest.mark.slow
 def test_sampling_reproducible_and_scored(params, ragged):
     a = generate(params, CFG, ragged[0], 6, prompt_lengths=ragged[1], seed=3, **SAMPLE)
     b = generate(params, CFG, ragged[0], 6, prompt_lengths=ragged[1], seed=3, **SAMPLE)
@@ -118,6 +121,7 @@ def test_sampling_reproducible_and_scored(params, ragged):
         assert logq > logp  # q concentrates on the tokens it can draw
 
 
+@pytest.mark.slow
 def test_sampling_with_eos_stops_scoring(params, ragged):
     # Step t draws with fold_in(key, t) and per-element noise, so stopping one row leaves the others' draws as
     # they were: with EOS each row is the EOS-free run cut after its first EOS, then padding.
@@ -174,6 +178,7 @@ def enumerate_best(params, prompt, n, eos=None, alpha=0.0):
     return list(key), best[key][1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("eos, alpha", [(None, 0.0), (3, 0.0), (3, 1.0)])
 def test_beam_of_width_v_to_the_n_is_exact(tiny, eos, alpha):
     params, prompt = tiny
@@ -188,6 +193,7 @@ def test_beam_of_width_v_to_the_n_is_exact(tiny, eos, alpha):
     assert float(out.logq[0]) == 0.0
 
 
+@pytest.mark.slow
 def test_beam_width_one_is_greedy(tiny):
     params, prompt = tiny
     kw = dict(prompt_lengths=[2, 1], eos_id=3)

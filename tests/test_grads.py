@@ -211,12 +211,14 @@ def random_model(seed, **overrides):
     return cfg, params, tokens, targets, mask
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", [{}, {"tie_embeddings": True}, {"rope_scale": 0.5}],
                          ids=["untied", "tied", "rope_scale"])
 def test_random_deep_gqa_model_matches_jax_grad(overrides):
     check_model(*random_model(11, **overrides))
 
 
+@pytest.mark.slow
 def test_packed_segments_and_positions_match_jax_grad():
     cfg, params, tokens, targets, mask = random_model(12, rope_scale=0.5)
     segment_ids = jnp.array([[0, 0, 0, 1, 1, 1], [0, 0, 1, 1, 1, 1]])

@@ -119,6 +119,7 @@ def test_router_weights_backward_matches_vjp(router, top_k, eps):
 
 # ----- 2. the whole branch against jax.vjp of moe.branch ----------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("top_k", [1, 2])
 @pytest.mark.parametrize("n_shared", [0, 1])
 @pytest.mark.parametrize("router", ROUTERS)

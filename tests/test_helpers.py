@@ -11,6 +11,7 @@ from mlx_llm.errors import ConfigError
 from helpers import TINY, TINY_CFG, tiny_cfg
 
 
+@pytest.mark.slow
 def test_tiny_cfg_is_a_valid_small_config():
     cfg = tiny_cfg()
     assert isinstance(cfg, ModelConfig)

@@ -39,6 +39,7 @@ print(json.dumps(failures))
 """
 
 
+@pytest.mark.slow
 def test_every_module_imports_alone():
     """Each module imported with no mlx_llm module loaded before it, in a fresh interpreter (third-party modules
     stay loaded between modules: the question is the order of mlx_llm's own imports)."""

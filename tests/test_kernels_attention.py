@@ -58,6 +58,7 @@ def close(a, b):
     return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("ratio", (1, 2, 4))
 @pytest.mark.parametrize("causal", (True, False))
@@ -73,6 +74,7 @@ def test_equals_xla_in_values_and_grads(impl, ratio, causal):
         assert close(got, want) < F32_RTOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", IMPLS)
 def test_bf16_within_stated_bound_and_no_segments(impl):
     q, k, v, ct = qkv(jax.random.key(7), 1, 48, 4, 2, 16, jnp.float32)
@@ -98,6 +100,7 @@ def model_batch(rng, b=2, t=24):
             "mask": jnp.ones((b, t), jnp.float32), "segment_ids": seg, "positions": jnp.asarray(pos)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("causal", (True, False))
 def test_whole_model_loss_and_grads_equal_xla(impl, causal):

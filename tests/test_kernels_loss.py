@@ -101,6 +101,7 @@ def test_bfloat16_inputs_match_the_float32_reference():
             np.testing.assert_allclose(np.asarray(a, np.float64), e, rtol=0, atol=2**-7 * np.abs(e).max())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tie", [False, True])
 def test_whole_model_loss_and_every_parameter_gradient(tie):
     cfg = ModelConfig(vocab_size=13, d_model=8, n_layers=2, n_heads=2, n_kv_heads=1, d_head=4, d_ff=12,
@@ -205,6 +206,7 @@ SHARDED = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_batch_sharded_rows_are_not_gathered():
     """2 simulated devices, R split over the batch: every chunk takes rows from both devices, so the loop over
     chunks runs on each device's own rows (no all-gather of R), and the result equals the full-logits loss."""

@@ -198,6 +198,7 @@ SHARDED = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_grouped_expert_ffn_under_a_mesh_runs_per_token_shard():
     """8 simulated devices (data=2, fsdp=2, tensor=2): under ``jax.set_mesh`` the grouped products run in
     shard_map with 4 token shards, and values and gradients still equal the dense reference (also when the

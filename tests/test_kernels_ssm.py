@@ -70,6 +70,7 @@ def all_cases(args_with, args_without):
             for _, k, flag in CASES]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float64, jnp.float32])
 def test_chunked_equals_fused(dtype):
     """Values and gradients of (Δ, x, B, C, A, s0) for random cotangents on (y, s_last)."""
@@ -137,6 +138,7 @@ def random_params(cfg, seed):
     return jax.tree.map(lambda s: jnp.asarray(0.5 * rng.standard_normal(s.shape)), shapes)
 
 
+@pytest.mark.slow
 def test_model_loss_and_gradients_equal_fused():
     """A packed batch (segment ids restart the state): the summed loss and every parameter's gradient agree."""
     params = random_params(PURE, 0)
@@ -190,6 +192,7 @@ def via_associative(dt, x, b, c, a):
     return jnp.einsum("btin,btn->bti", s_BTIN, c), s_BTIN[:, -1]
 
 
+@pytest.mark.slow
 def test_backward_memory_grows_far_less_than_the_associative_scans():
     """At T = 1024 the associative scan holds several (B, T, I, N) tensors; the chunked scan one chunk's
     (B, 64, I, N) tensors plus (B, T, I)-sized ones, so from T = 256 to 1024 it grows by less than half of one

@@ -56,12 +56,14 @@ def assert_same_run(cfg, tcfg, *, x64: bool = True):
     assert worst < TOL * scale
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ("flash", "splash", "pallas_gpu"))
 def test_attention_paths_train_the_same(impl):
     tcfg = dataclasses.replace(REF, attention_impl=impl, interpret_kernels=impl != "flash")
     assert_same_run(DENSE, tcfg, x64=impl != "pallas_gpu")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ("ragged_dot", "megablox"))
 def test_moe_paths_train_the_same(impl):
     tcfg = dataclasses.replace(REF, moe_impl=impl, interpret_kernels=impl == "megablox")
@@ -77,6 +79,7 @@ def test_chunked_scan_and_chunked_loss_train_the_same():
         np.testing.assert_allclose(a, b, atol=TOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention, moe", (("flash", "ragged_dot"), ("splash", "block")))
 def test_generation_is_the_same_under_the_kernel_paths(attention, moe):
     """The prefill's attention runs through the kernel (self-attention over the prompt), every MoE layer through

@@ -60,6 +60,7 @@ def test_zero_B_starts_exactly_at_the_base(base):
                           np.asarray(forward(base, TOKENS, CFG)))
 
 
+@pytest.mark.slow
 def test_merged_equals_unmerged(base):
     """The merged weight W₀ + (α/r)·A·B against the unmerged product x·W₀ + (α/r)·(x·A)·B for every adapted
     key (float64), and the merged model's logits against the adapted forward's."""
@@ -80,6 +81,7 @@ def test_merged_equals_unmerged(base):
                          - np.asarray(forward(lora.adapted(base, ad, cfg), TOKENS, CFG)))) <= 1e-12
 
 
+@pytest.mark.slow
 def test_training_moves_only_the_adapters(base):
     cfg = lora.LoRAConfig(rank=2, alpha=4.0)
     ad = lora.init(base, cfg, jax.random.key(0))
@@ -108,6 +110,7 @@ def test_training_moves_only_the_adapters(base):
     assert np.max(np.abs(np.asarray(ad["blocks"]["wq"]["B"]))) > 0
 
 
+@pytest.mark.slow
 def test_mixed_stack_adapts_only_layers_that_have_the_target():
     params = init_params(HYBRID, jax.random.key(0))
     cfg = lora.LoRAConfig(rank=2, targets=("wq", "in_x"))

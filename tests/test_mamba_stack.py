@@ -44,6 +44,7 @@ def test_counts_and_layout(model):
         "out_proj": (i, d)}
 
 
+@pytest.mark.slow
 def test_stack_equals_layers_run_one_by_one(model):
     cfg, params = model
     tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, 11)
@@ -54,6 +55,7 @@ def test_stack_equals_layers_run_one_by_one(model):
     np.testing.assert_allclose(forward(params, tokens, cfg), logits_from_hidden(h, params, cfg), atol=1e-12)
 
 
+@pytest.mark.slow
 def test_cached_decoding_equals_full_forward(model):
     """Prefill of 5, then chunks of 2 and 1 token: the same logits as one full forward (float64 ≤ 1e-10)."""
     cfg, params = model
@@ -68,6 +70,7 @@ def test_cached_decoding_equals_full_forward(model):
     assert state.lengths.tolist() == [9, 9]
 
 
+@pytest.mark.slow
 def test_ragged_prompts_equal_each_prompt_alone(model):
     cfg, params = model
     prompt = jnp.array([[1, 2, 3, 4, 5], [6, 7, 8, 0, 0]])
@@ -76,6 +79,7 @@ def test_ragged_prompts_equal_each_prompt_alone(model):
     assert both.tokens.tolist() == [a.tolist() for a in alone]
 
 
+@pytest.mark.slow
 def test_greedy_and_beam_decode(model):
     cfg, params = model
     prompt = jnp.array([[3, 1, 4]])
@@ -124,6 +128,7 @@ def test_decode_state_bytes_match_the_allocated_state():
     assert kv_cache_bytes(HYBRID, 10) == 2 * 2 * 10 * 1 * 4 * 4  # 2 attention layers of the 4
 
 
+@pytest.mark.slow
 def test_packed_documents_equal_each_document_alone():
     """Segment ids reset the SSM state and the conv window at a document start (and attention stays within)."""
     cfg = HYBRID
@@ -135,6 +140,7 @@ def test_packed_documents_equal_each_document_alone():
     np.testing.assert_allclose(packed[0, 5:], forward(params, jnp.array([doc2]), cfg)[0], atol=1e-12)
 
 
+@pytest.mark.slow
 def test_float32_cached_decoding_equals_full_forward():
     cfg = HYBRID_MOE
     params = init_params(cfg, jax.random.key(4), jnp.float32)

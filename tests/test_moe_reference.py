@@ -62,6 +62,7 @@ def _max_diff(params, tokens, cfg) -> float:
     return float(np.max(np.abs(got - want)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", range(8))
 def test_random_moe_configs_match_reference(case):
     cfg, params, tokens = _random_case(case)
@@ -96,6 +97,7 @@ def test_dense_default_matches_reference():
     assert diff <= TOL, diff
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mixers, ffns", [(("mamba",), ("none",)), (("mamba", "attn"), ("moe", "swiglu"))])
 def test_mamba_and_hybrid_stacks_match_reference(mixers, ffns):
     """Mamba mixers (M20 §19) in the stack: pure Mamba, and a hybrid with attention, MoE and SwiGLU."""

@@ -39,6 +39,7 @@ def test_committed_without_outputs(name):
             assert cell.outputs == [] and cell.execution_count is None, "strip the outputs before committing"
 
 
+@pytest.mark.slow
 def test_running_example_notebook(monkeypatch):
     text = printed(execute("running_example.ipynb", monkeypatch))
     assert "loss 1.109373924 -> 1.084831548" in text
@@ -46,6 +47,7 @@ def test_running_example_notebook(monkeypatch):
     assert "12 scalars, 48 bytes" in text
 
 
+@pytest.mark.slow
 def test_scaling_laws_notebook(monkeypatch):
     text = printed(execute("scaling_laws.ipynb", monkeypatch))
     assert "L = 1.9933" in text and "L = 1.9366" in text and "L = 1.9300" in text
@@ -53,6 +55,7 @@ def test_scaling_laws_notebook(monkeypatch):
         assert "240 runs, 16 starts" in text and "converged: True" in text
 
 
+@pytest.mark.slow
 def test_scaling_laws_notebook_without_the_published_runs(monkeypatch, tmp_path):
     text = printed(execute("scaling_laws.ipynb", monkeypatch, MLX_LLM_RUNS_CSV=str(tmp_path / "absent.csv")))
     assert "are not on this machine" in text

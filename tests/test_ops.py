@@ -85,6 +85,7 @@ def test_causal_mask_with_segments():
     np.testing.assert_array_equal(m, [[1, 0, 0], [1, 1, 0], [0, 0, 1]])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("t, block", [(12, 2), (13, 4), (16, 64), (9, 3)])
 def test_block_causal_attention_equals_full(t, block):
     """Skipping the key blocks the causal mask removes changes nothing (segments included)."""

@@ -96,6 +96,7 @@ def pair_batch(rng, n=4, width=12):
     return {"chosen": side(), "rejected": side()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["dpo", "reward"])
 def test_moe_offsets_follow_the_control_rule_in_preference_runs(kind):
     """M20 §15's rule moves the balancing offsets after every step of a full fine-tuning preference run, by the

@@ -99,6 +99,7 @@ def test_a_second_process_is_refused_while_the_first_holds_the_lock(tmp_path, fi
         pass
 
 
+@pytest.mark.slow
 def test_lock_is_held_for_the_whole_run_and_released_after(tmp_path, corpus_dir):
     out, refusals = tmp_path / "run", []
 

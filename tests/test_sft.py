@@ -54,6 +54,7 @@ def test_full_sft_teaches_arithmetic(arithmetic_sft):
     assert res["n"] == 400 and res["accuracy"] > 0.15
 
 
+@pytest.mark.slow
 def test_lora_run_checkpoints_adapters_merges_and_resumes(base_run, tmp_path):
     tcfg = TrainConfig(**{**SFT, "warmup_steps": 2}, steps=6, eval_interval=3, checkpoint_interval=3, log_interval=1)
     lora = LoRAConfig(rank=4, alpha=8.0, targets=("wq", "wv"))

@@ -45,6 +45,7 @@ for task, split, n in {DIGEST_ARGS!r}:
 """
 
 
+@pytest.mark.slow
 def test_deterministic_within_and_across_processes():
     here = [digest(K.examples(task, split, n=n)) for task, split, n in DIGEST_ARGS]
     assert here == [digest(K.examples(task, split, n=n)) for task, split, n in DIGEST_ARGS]

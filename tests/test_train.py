@@ -67,6 +67,7 @@ def test_resume_is_bitwise_equal_to_uninterrupted(tmp_path, corpus_dir, full_run
     assert (out / "metrics.jsonl").read_text() == (full_run[0] / "metrics.jsonl").read_text()
 
 
+@pytest.mark.slow
 def test_same_seed_same_metrics_file(tmp_path, corpus_dir, full_run):
     out = tmp_path / "again"
     run(out, corpus_dir, tiny_train())
@@ -88,6 +89,7 @@ def test_never_overwrites_a_run(full_run, corpus_dir):
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
 
+@pytest.mark.slow
 def test_divergence_stops_and_keeps_last_good_checkpoint(tmp_path, corpus_dir):
     out = tmp_path / "diverge"
     with pytest.raises(TrainingDiverged, match=r"at step (\d+).*last good checkpoint is kept \(step (\d+)"):
@@ -117,6 +119,7 @@ def test_seq_len_longer_than_model_rejected(tmp_path, corpus_dir):
         run(tmp_path / "r", corpus_dir, tiny_train(seq_len=128))
 
 
+@pytest.mark.slow
 def test_time_budget_sets_the_steps_it_fits(tmp_path, corpus_dir, monkeypatch):
     """--time-budget measures the step (here replaced by a fixed 50 ms) and trains budget / step-time steps, with
     warmup and intervals capped to them; train_config.json records the steps, so the run resumes as any other."""
@@ -195,6 +198,7 @@ def test_sigkill_mid_training_resumes_from_last_checkpoint(tmp_path, corpus_dir)
     assert steps == list(range(1, 601))  # every step exactly once: none lost, none repeated
 
 
+@pytest.mark.slow
 def test_bfloat16_compute_keeps_float32_master_weights(corpus_dir):
     from mlx_llm.train.parallel import make_mesh, replicated
     from mlx_llm.train.step import device_batch, init_state, jit_train_step, optimizer_for, summed_loss
@@ -240,6 +244,7 @@ def test_moe_run_logs_expert_load_and_resumes_bitwise(tmp_path, corpus_dir):
     assert (cut / "metrics.jsonl").read_text() == (full / "metrics.jsonl").read_text()
 
 
+@pytest.mark.slow
 def test_diffusion_run_trains_evaluates_samples_and_resumes_bitwise(tmp_path, corpus_dir):
     """`--objective diffusion` end to end: the tokenizer gains <|mask|>, the model is made bidirectional, the
     loss (the NELBO per token) falls, eval reports the bound, the closing sample holds no MASK, and a resumed run
