@@ -91,6 +91,7 @@ def test_init_params_matches_counts_and_layout():
 
 
 # ----- dispatch ------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("k, block", [(1, 4), (2, 4), (2, 64), (3, 2)])
 def test_sorted_dispatch_equals_dense_reference(k, block):
     """Values and gradients (w.r.t. inputs, weights and mixture weights) equal the all-experts reference,
@@ -114,6 +115,7 @@ def test_sorted_dispatch_equals_dense_reference(k, block):
     assert float(jnp.abs(g_fast[2][x - 1]).max()) == 0.0
 
 
+@pytest.mark.slow
 def test_dispatch_is_dropless_when_every_token_picks_one_expert():
     """All N tokens on one expert (the worst case of any capacity scheme): every token still gets its output."""
     n, d, m, x = 50, 4, 3, 4
@@ -187,8 +189,16 @@ def test_control_rule_moves_each_offset_by_u():
     np.testing.assert_array_equal(moe.update_offsets(offsets, even, 0.01), offsets)
     with pytest.raises(InputError, match=r"load has shape \(3,\) but offsets have \(4,\)"):
         moe.update_offsets(offsets, jnp.ones(3), 0.01)
+    # computed in the offsets' precision: float64 offsets move by exactly the float64 u (0.1 + 0.05, not
+    # 0.1500000022 from a float32 step), float32 offsets by the float32 u
+    f64, signs = np.array([0.1, -0.2, 0.0, 0.3]), np.array([-1.0, 1.0, 1.0, 1.0])
+    np.testing.assert_array_equal(moe.update_offsets(jnp.asarray(f64), load, 0.05), f64 + 0.05 * signs)
+    f32 = moe.update_offsets(jnp.asarray(f64, jnp.float32), load, 0.05)
+    assert f32.dtype == jnp.float32
+    np.testing.assert_array_equal(f32, f64.astype(np.float32) + np.float32(0.05) * signs.astype(np.float32))
 
 
+@pytest.mark.slow
 def test_train_step_applies_control_rule_with_global_load():
     """One jitted train step (2 micro-batches): each offset moves by exactly ±u, against its expert's load
     counted over the whole step, and the loss gradient never touches it."""
@@ -212,6 +222,7 @@ def test_train_step_applies_control_rule_with_global_load():
 
 
 # ----- the stack ----------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_mixed_stack_equals_layers_run_one_by_one():
     cfg = ModelConfig(**BASE, n_layers=4, d_ff=10, ffn_pattern=("moe", "swiglu"), n_experts=4, moe_top_k=2,
                       moe_d_ff=6, n_shared_experts=1)
@@ -274,6 +285,7 @@ def test_json_round_trip_keeps_patterns_hashable(tmp_path):
 
 
 # ----- decoding -----------------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("pattern", [("moe",), ("moe", "swiglu")])
 def test_cached_decoding_equals_full_forward(pattern):
     cfg = moe_cfg(n_layers=2, ffn_pattern=pattern, d_ff=10, n_shared_experts=1, router="softmax")
@@ -290,6 +302,7 @@ def test_cached_decoding_equals_full_forward(pattern):
     np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=1e-11)
 
 
+@pytest.mark.slow
 def test_generate_greedy_matches_argmax_of_forward():
     cfg = moe_cfg(n_layers=2, vocab_size=13)
     params = init_params(cfg, jax.random.key(7), jnp.float64)

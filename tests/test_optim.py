@@ -10,10 +10,12 @@ import pytest
 from flax import traverse_util
 from jax.flatten_util import ravel_pytree
 
-from mlx_llm import examples, forward
+from mlx_llm import examples, forward, init_params
 from mlx_llm.errors import ConfigError
 from mlx_llm.objectives.loss import masked_cross_entropy
 from mlx_llm.train.optim import decay_mask, make_optimizer, warmup_cosine
+
+from helpers import tiny_cfg
 
 
 def _setup(tie=False):
@@ -28,6 +30,7 @@ def _setup(tie=False):
     return params, loss_fn
 
 
+@pytest.mark.slow
 def test_first_step_of_m20():
     params, loss_fn = _setup()
     grads = jax.grad(loss_fn)(params)
@@ -46,6 +49,41 @@ def test_decay_mask_covers_exactly_the_matrices():
     decayed = sum(sizes[k].size for k, m in mask.items() if m)
     assert (decayed, sum(a.size for a in sizes.values()) - decayed) == (44, 6)
     assert {k[-1] for k, m in mask.items() if not m} == {"attn_norm", "ffn_norm", "final_norm"}
+
+
+def test_decay_mask_for_every_layer_kind_lora_and_the_reward_head():
+    """M20 §12 decays the weight matrices only: in a stack of every layer kind (attention, Mamba, SwiGLU, MoE
+    with shared experts), the undecayed leaves are exactly the norm gains, Mamba's conv_b / dt_bias / A_log / D
+    and the routing offsets; LoRA adapters decay like the matrix they adapt; the reward head decays."""
+    cfg = tiny_cfg(n_layers=4, mixer_pattern=("mamba", "attn"), ffn_pattern=("moe", "swiglu", "none", "moe"),
+                   n_experts=4, moe_top_k=2, moe_d_ff=8, n_shared_experts=1)
+    params = init_params(cfg, jax.random.key(0))
+    flat = traverse_util.flatten_dict({"model": {**params, "blocks": dict(enumerate(params["blocks"]))},
+                                       "reward_head": jnp.zeros(cfg.d_model)})
+    mask = traverse_util.flatten_dict(decay_mask(traverse_util.unflatten_dict(flat)))
+    kept = {k[-1] for k, m in mask.items() if not m}
+    assert kept == {"attn_norm", "ffn_norm", "ssm_norm", "final_norm", "conv_b", "dt_bias", "A_log", "D",
+                    "router_offset"}
+    decayed = {k[-1] for k, m in mask.items() if m}
+    assert {"embed", "unembed", "wq", "wo", "in_x", "conv_w", "out_proj", "router", "expert_gate", "shared_down",
+            "w_down", "reward_head"} <= decayed
+    adapters = {"blocks": {"wq": {"A": jnp.ones((2, 3, 1)), "B": jnp.ones((2, 1, 3))}}}
+    assert jax.tree.leaves(decay_mask(adapters)) == [True, True]
+    with pytest.raises(ConfigError, match=r"'blocks/mystery' is not declared in layers/layout.py"):
+        decay_mask({"blocks": {"mystery": jnp.ones(3)}})
+
+
+def test_weight_decay_leaves_mamba_vectors_untouched():
+    """With a zero gradient, one AdamW step shrinks a decayed matrix by exactly (1 − η λ) and leaves D and
+    A_log as they were (M20 §12's update with g = 0)."""
+    params = {"blocks": {"in_x": jnp.full((2, 3), 2.0), "D": jnp.full((3,), 2.0), "A_log": jnp.full((3, 2), 2.0)}}
+    opt = make_optimizer(0.1, weight_decay=0.5, clip_norm=None)
+    zero = jax.tree.map(jnp.zeros_like, params)
+    updates, _ = opt.update(zero, opt.init(params), params)
+    after = optax.apply_updates(params, updates)
+    np.testing.assert_allclose(after["blocks"]["in_x"], 2.0 * (1 - 0.1 * 0.5), rtol=1e-12)
+    assert np.array_equal(after["blocks"]["D"], params["blocks"]["D"])
+    assert np.array_equal(after["blocks"]["A_log"], params["blocks"]["A_log"])
 
 
 def _numpy_schedule(s, peak, warmup, total, floor):

@@ -76,6 +76,24 @@ def test_on_policy_trainer_converges_to_the_closed_form(beta):
     np.testing.assert_allclose(trace[-500:].mean(0), want, atol=2e-3)
 
 
+def test_leash_with_a_zero_reference_probability_is_finite():
+    """U19 §12: "One possible answer has reference probability exactly 0 … What does π* give it?" π* ∝ π_ref e^{r/β}
+    gives it 0 whatever its reward, and the KL counts it as 0·log 0 = 0: KL = Σ_{π>0} π log(π/π_ref)."""
+    pi_ref, r = f64([0.5, 0.5, 0.0]), f64([0.0, 1.0, 5.0])
+    for beta in (0.5, 1.0, 4.0):
+        out = rl.leash(pi_ref, r, beta)
+        pi = np.asarray(out["pi"])
+        assert pi[2] == 0.0 and all(np.isfinite(float(v)) for v in out.values() if np.ndim(v) == 0)
+        want = np.exp(np.array([0.0, 1.0]) / beta) / np.exp(np.array([0.0, 1.0]) / beta).sum()
+        np.testing.assert_allclose(pi[:2], want, rtol=1e-14)
+        np.testing.assert_allclose(float(out["kl"]), float(np.sum(want * np.log(want / 0.5))), rtol=1e-13)
+        np.testing.assert_allclose(float(out["objective"]), float(out["expected_reward"] - beta * out["kl"]),
+                                   rtol=1e-13)
+    trace = np.asarray(rl.train_bandit([0.5, 0.5, 0.0], [0.0, 1.0, 5.0], 1.0, k=16, steps=1500, lr=0.05, seed=1))
+    assert np.isfinite(trace).all() and (trace[:, 2] == 0).all()  # never sampled, never given mass
+    np.testing.assert_allclose(trace[-1], np.asarray(rl.leash(pi_ref, r, 1.0)["pi"]), atol=3e-3)
+
+
 def test_group_advantages_are_leave_one_out():
     r = f64([[1.0, 0.0, 0.0, 1.0], [2.0, 2.0, 2.0, 2.0]])
     np.testing.assert_allclose(np.asarray(rl.group_advantages(r)), [[2 / 3, -2 / 3, -2 / 3, 2 / 3], [0, 0, 0, 0]],
@@ -110,6 +128,7 @@ def _pair_batch():
     return jax.tree.map(jnp.asarray, batch), records
 
 
+@pytest.mark.slow
 def test_dpo_gradient_is_weighted_difference_of_log_prob_gradients():
     """∇_θ L = −β σ(−m) (∇ℓ_θ(y⁺) − ∇ℓ_θ(y⁻)): jax.grad against the formula (with jax.grad of ℓ), and a central
     difference along a random direction."""
@@ -159,6 +178,7 @@ def test_response_logprobs_of_ragged_batches_sum_reply_tokens():
     assert len({int(n) for n in batch["chosen"]["length"]}) == 3  # genuinely ragged
 
 
+@pytest.mark.slow
 def test_reward_is_read_at_the_last_reply_token():
     batch, _ = _pair_batch()
     params = INIT(CFG, jax.random.key(3))

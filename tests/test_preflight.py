@@ -34,6 +34,7 @@ def tree_hash(path: Path) -> str:
     return h.hexdigest()
 
 
+@pytest.mark.slow
 def test_tpu_topology_compile_uses_splash_and_megablox_and_fits():
     pytest.importorskip("libtpu")
     tcfg = TrainConfig(batch_size=8, seq_len=512, mesh="fsdp=4", attention_impl="splash", moe_impl="megablox",
@@ -60,6 +61,7 @@ def run_cli(argv, capsys):
     return code, captured.out, captured.err
 
 
+@pytest.mark.slow
 def test_compile_json_on_local_devices(tmp_path, capsys):
     TINY.to_json(tmp_path / "config.json")
     code, out, _ = run_cli(["compile", "--config", str(tmp_path / "config.json"), "--batch-size", "4",
@@ -72,6 +74,7 @@ def test_compile_json_on_local_devices(tmp_path, capsys):
     assert report["tokens_per_step"] == 256 and report["bytes_per_device"]["temporary"] > 0
 
 
+@pytest.mark.slow
 def test_step_that_cannot_fit_exits_1_with_the_knobs(tmp_path, capsys):
     huge = ModelConfig(vocab_size=256, d_model=65536, n_layers=2, n_heads=4, n_kv_heads=2, d_head=16, d_ff=65536,
                        max_seq_len=512)
@@ -83,6 +86,7 @@ def test_step_that_cannot_fit_exits_1_with_the_knobs(tmp_path, capsys):
     assert "the train step does not fit: needs" in err and "--remat full" in err and "--batch-size" in err
 
 
+@pytest.mark.slow
 def test_train_refuses_before_creating_the_run_directory(tmp_path, capsys):
     huge = ModelConfig(vocab_size=256, d_model=65536, n_layers=2, n_heads=4, n_kv_heads=2, d_head=16, d_ff=65536,
                        max_seq_len=512)
@@ -121,9 +125,10 @@ def test_post_training_update_is_refused_when_it_cannot_fit(monkeypatch):
 
     def loss_fn(trainable, frozen, batch, key):  # train.step.make_update's objective form: sums and a count
         n = jnp.asarray(batch["x"].shape[0], jnp.float32)
-        return jnp.sum(jnp.mean((batch["x"] @ trainable["w"] - frozen["y"]) ** 2, axis=-1)), (n, None, {})
+        return jnp.sum(jnp.mean((batch["x"] @ trainable["w_up"] - frozen["y"]) ** 2, axis=-1)), (n, None, {})
 
-    trainable, frozen = {"w": jnp.ones((64, 8), jnp.float32)}, {"y": jnp.zeros((16, 8), jnp.float32)}
+    # a weight the layout declares (AdamW's decay groups come from layers/layout.py)
+    trainable, frozen = {"w_up": jnp.ones((64, 8), jnp.float32)}, {"y": jnp.zeros((16, 8), jnp.float32)}
     batch = {"x": jnp.ones((16, 64), jnp.float32)}
     tcfg = TrainConfig(steps=2, warmup_steps=1)
     step = loop.compiled_update(TINY, tcfg, loss_fn, trainable, frozen, batch)

@@ -46,7 +46,8 @@ class ParamInfo:
     that the mesh's ``tensor`` axis splits (heads, FFN/expert/SSM width, vocabulary), or None (replicated).
     lora_in: as a LoRA target, how many leading axes are inputs (the rest are outputs), or None (not a target).
     routed: axis 0 holds the X routed experts, of which one token runs k (active counts). present: whether the
-    array exists for a config (None: always); an array with a zero-size dimension is absent too.
+    array exists for a config (None: always); an array with a zero-size dimension is absent too. decay: whether
+    AdamW's weight decay applies, where the role alone does not decide it (None: ``decayed``'s rule).
     """
 
     dims: tuple[str, ...]
@@ -57,6 +58,7 @@ class ParamInfo:
     lora_in: int | None = None
     routed: bool = False
     present: Callable[[Any], bool] | None = None
+    decay: bool | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -75,8 +77,11 @@ class ParamInfo:
 
     @property
     def decayed(self) -> bool:
-        """AdamW's weight decay applies (M20 §12): every θ array but the norm gains."""
-        return self.role not in ("norm", "state")
+        """AdamW's weight decay applies to exactly the weight matrices (M20 §12 decays "the matrices", not the
+        normalisation gains): the tables and the matmul weights, and Mamba's depthwise convolution kernel
+        (``decay=True``: the weight of a linear map, as the published Mamba training decays it); never a norm
+        gain, a bias, Mamba's A_log or D (which Gu & Dao's code marks ``_no_weight_decay``), or routing state."""
+        return self.role in ("table", "matmul") if self.decay is None else self.decay
 
 
 # ----- initial scales ---------------------------------------------------------------------------------------
@@ -147,7 +152,7 @@ MAMBA = {  # M20 §19, Gu & Dao 2023 (layers/mamba.py): rules "dt_bias" and "A_l
     "ssm_norm": _NORM,
     "in_x": ParamInfo(("D", "I"), std=fan_in("D"), tensor_axis=1, lora_in=1),
     "in_z": ParamInfo(("D", "I"), std=fan_in("D"), tensor_axis=1, lora_in=1),
-    "conv_w": ParamInfo(("W", "I"), std=fan_in("W"), role="elementwise", tensor_axis=1),
+    "conv_w": ParamInfo(("W", "I"), std=fan_in("W"), role="elementwise", tensor_axis=1, decay=True),
     "conv_b": ParamInfo(("I",), "zeros", role="elementwise", tensor_axis=0),
     "w_dt": ParamInfo(("I", "R"), std=fan_in("I"), tensor_axis=0),
     "w_B": ParamInfo(("I", "N"), std=fan_in("I"), tensor_axis=0),
@@ -161,12 +166,17 @@ MAMBA = {  # M20 §19, Gu & Dao 2023 (layers/mamba.py): rules "dt_bias" and "A_l
 
 KINDS = {"attn": ATTN, "mamba": MAMBA, "swiglu": SWIGLU, "moe": MOE, "none": {}}
 
+HEADS = {  # trained beside a model, not part of it: the reward model's r = w · R_last (U19 §11, post/reward.py)
+    "reward_head": ParamInfo(("D",), "zeros"),
+}
+
 
 def entries() -> dict[str, ParamInfo]:
-    """Every declared key → its ParamInfo (top level, then attn, swiglu, moe, mamba). A key that several kinds
-    declare (``ffn_norm``) must mean the same there: its shape, role, tensor axis and LoRA form agree."""
+    """Every declared key → its ParamInfo (top level, then attn, swiglu, moe, mamba, the heads). A key that
+    several kinds declare (``ffn_norm``) must mean the same there: its shape, role, tensor axis and LoRA form
+    agree."""
     out: dict[str, ParamInfo] = {}
-    for table in (TOP, ATTN, SWIGLU, MOE, MAMBA):
+    for table in (TOP, ATTN, SWIGLU, MOE, MAMBA, HEADS):
         for key, info in table.items():
             if key in out and out[key] != info:
                 raise ValueError(f"layout key {key!r} is declared twice with different meanings")

@@ -91,11 +91,12 @@ def update_offsets(offsets, load, rate: float):
     ``load`` counts assignments over the whole global batch of one optimizer step; an overloaded expert's
     offset falls, an idle one's rises. Works on (X,) or stacked (L, X) offsets (mean over the last axis).
     """
-    load = jnp.asarray(load, jnp.float32)
+    offsets = jnp.asarray(offsets)
+    load = jnp.asarray(load, offsets.dtype)  # the step u·sign(·) in the offsets' own precision
     if jnp.shape(load) != jnp.shape(offsets):
         raise InputError(f"update_offsets: load has shape {jnp.shape(load)} but offsets have {jnp.shape(offsets)}")
-    step = rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
-    return (offsets + step.astype(offsets.dtype)).astype(offsets.dtype)
+    step = jnp.asarray(rate, offsets.dtype) * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+    return offsets + step
 
 
 def apply_offset_rule(blocks, load, rate: float):

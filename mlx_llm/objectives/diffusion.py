@@ -37,8 +37,6 @@ import numpy as np
 from mlx_llm.errors import ConfigError, InputError
 from mlx_llm.model import forward
 
-LOG2 = math.log(2.0)
-
 
 # ----- M20 §19: the marginal over hidden trajectories --------------------------------------------------------
 def marginal(p_S, transitions) -> np.ndarray:
@@ -179,10 +177,3 @@ def exact_nelbo(log_prob_fn, x, *, steps: int | None = None) -> float:
             weight = sum((1.0 / k) * (k / steps) ** m * (1 - k / steps) ** (n - m) for k in range(1, steps + 1))
         total += weight * nll
     return total
-
-
-def bits_per_byte(nelbo_nats: float, n_bytes: int) -> float:
-    """nats over a text → bits per byte of its UTF-8 (for the bound: an upper bound on the code length)."""
-    if n_bytes <= 0:
-        raise InputError(f"n_bytes = {n_bytes} is invalid: bits per byte needs a positive byte count")
-    return float(nelbo_nats) / LOG2 / n_bytes

@@ -67,5 +67,8 @@ def bits_per_token(loss_nats):
 
 
 def bits_per_byte(total_nll_nats, n_bytes):
-    """Total surprise of a text in bits divided by its UTF-8 byte count: comparable across tokenizers."""
+    """Total surprise of a text in bits divided by its UTF-8 byte count: comparable across tokenizers (for the
+    diffusion NELBO, an upper bound on the NLL, an upper bound on the code length)."""
+    if not n_bytes > 0:
+        raise InputError(f"n_bytes = {n_bytes!r} is invalid: bits per byte needs a positive byte count")
     return total_nll_nats / (math.log(2.0) * n_bytes)

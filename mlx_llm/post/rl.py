@@ -52,8 +52,9 @@ def leash(pi_ref, rewards, beta) -> dict:
     log_z = jax.nn.logsumexp(log_ref + r / beta)
     log_pi = log_ref + r / beta - log_z
     pi = jnp.exp(log_pi)
-    return {"pi": pi, "expected_reward": jnp.sum(pi * r), "kl": jnp.sum(pi * (log_pi - log_ref)),
-            "objective": beta * log_z}
+    # An answer the reference never gives (π_ref = 0) gets π* = 0 and adds 0·log 0 = 0 to the KL, not NaN.
+    kl_terms = jnp.where(pi > 0, pi * (log_pi - jnp.where(pi > 0, log_ref, 0.0)), 0.0)
+    return {"pi": pi, "expected_reward": jnp.sum(pi * r), "kl": jnp.sum(kl_terms), "objective": beta * log_z}
 
 
 def shaped_rewards(r, logp, logp_ref, beta):

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from mlx_llm.errors import ConfigError
+from mlx_llm.layers import layout
 
 Schedule = Callable[[jax.Array], jax.Array]
 
@@ -21,19 +22,27 @@ def _key_name(entry) -> str:
     return str(getattr(entry, "key", getattr(entry, "idx", entry)))
 
 
-def is_norm_gain(path: tuple[str, ...]) -> bool:
-    """Normalisation gains are named ``*norm`` in the parameter layout (attn_norm, ffn_norm, final_norm)."""
-    return path[-1].endswith("norm")
+def _declared(path: tuple[str, ...]) -> layout.ParamInfo:
+    """The layout entry a leaf belongs to: the deepest key of its path that the layout declares (a LoRA
+    adapter ``blocks/wq/A`` belongs to ``wq``)."""
+    infos = layout.entries()
+    for key in reversed(path):
+        if key in infos:
+            return infos[key]
+    raise ConfigError(f"decay_mask: the parameter {'/'.join(path)!r} is not declared in layers/layout.py, so "
+                      f"whether it decays is unknown; declare it there")
 
 
 def decay_mask(params):
-    """True where AdamW applies weight decay: every matrix (embeddings included), never a norm gain.
+    """True where AdamW applies weight decay: exactly the weight matrices (``layout.ParamInfo.decayed``:
+    embeddings and projections, Mamba's conv kernel), never a norm gain, a bias, A_log or D.
 
-    Built from parameter paths, not ranks: stacked gains are (L, d) arrays yet must not decay. Works for
-    uniform blocks (a dict) and mixed stacks (a list of dicts).
+    Decided by each leaf's declared layout entry, not by its rank: stacked gains are (L, d) arrays and A_log
+    is (I, N), yet neither decays. Works for uniform blocks (a dict), mixed stacks (a list of dicts), LoRA
+    adapters and the heads trained beside a model (``layout.HEADS``).
     """
     return jax.tree_util.tree_map_with_path(
-        lambda path, _: not is_norm_gain(tuple(_key_name(e) for e in path)), params)
+        lambda path, _: _declared(tuple(_key_name(e) for e in path)).decayed, params)
 
 
 def strip_routing_state(tree):
@@ -73,7 +82,7 @@ def exclude_routing_state(inner: optax.GradientTransformation) -> optax.Gradient
 def make_optimizer(learning_rate: float | Schedule, *, b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8,
                    weight_decay: float = 0.1, clip_norm: float | None = 1.0) -> optax.GradientTransformation:
     """M20 §12: g̃ = g·min(1, c/‖g‖₂) over all trainable scalars, then AdamW
-    θ_s = (1 − η_s λ) θ_{s−1} − η_s m̂_s / (√v̂_s + ε), with λ on matrices only (``decay_mask``).
+    θ_s = (1 − η_s λ) θ_{s−1} − η_s m̂_s / (√v̂_s + ε), with λ on the weight matrices only (``decay_mask``).
 
     Routing state (MoE offsets) is not θ: the chain never sees it (``exclude_routing_state``).
     ``clip_norm=None`` disables clipping. ``learning_rate`` is a float or a schedule of the step count.

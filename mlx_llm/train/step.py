@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any, Callable
 
 import flax.struct
@@ -22,6 +21,7 @@ import optax
 from mlx_llm.config import ModelConfig, TrainConfig
 from mlx_llm.kernels import backend_platform
 from mlx_llm.objectives import diffusion
+from mlx_llm.objectives.loss import bits_per_byte, perplexity
 from mlx_llm.model import hidden_states, init_params, logits_from_hidden, nll_from_hidden, resolved
 from mlx_llm.layers.moe import apply_offset_rule
 from mlx_llm.post import lora as lora_lib
@@ -337,4 +337,4 @@ def evaluate(eval_step: Callable, params, val_set, mesh, objective: str = "ar") 
     n = float(sum(float(c) for _, c in totals))
     loss = nll / n
     n_bytes = val_set.n_token_bytes if objective == "diffusion" else val_set.n_bytes
-    return EvalResult(loss, math.exp(loss), nll / (math.log(2.0) * n_bytes), int(n), int(n_bytes))
+    return EvalResult(loss, float(perplexity(loss)), float(bits_per_byte(nll, n_bytes)), int(n), int(n_bytes))
