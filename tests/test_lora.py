@@ -135,3 +135,25 @@ def test_bad_lora_config(kwargs, message):
 def test_target_missing_from_the_model(base):
     with pytest.raises(ConfigError, match=r"LoRA targets \['in_x'\] are not weights of this model"):
         lora.init(base, lora.LoRAConfig(targets=("wq", "in_x")), jax.random.key(0))
+
+
+def test_update_is_alpha_over_rank_times_the_product_by_hand():
+    """The merged weight is W₀ + (α/r)·A·B: with α = 6 and r = 2 the product A·B enters 3 times (the constant
+    written here, not read back from ``LoRAConfig.scale``)."""
+    cfg = tiny_cfg(n_layers=1)
+    base = init_params(cfg, jax.random.key(0), jnp.float64)
+    w0 = np.asarray(base["blocks"]["wq"])  # (1, D, H, K)
+    a = np.arange(cfg.d_model * 2, dtype=np.float64).reshape(1, cfg.d_model, 2) / 100
+    b = np.arange(2 * cfg.n_heads * cfg.d_head, dtype=np.float64).reshape(1, 2, -1) / 100
+    adapters = {"blocks": {"wq": {"A": jnp.asarray(a), "B": jnp.asarray(b)}}}
+    merged = lora.merge(base, adapters, lora.LoRAConfig(rank=2, alpha=6.0, targets=("wq",)))
+    np.testing.assert_allclose(np.asarray(merged["blocks"]["wq"]), w0 + 3.0 * (a @ b).reshape(w0.shape), rtol=1e-14)
+    np.testing.assert_array_equal(np.asarray(merged["blocks"]["wv"]), np.asarray(base["blocks"]["wv"]))
+
+
+def test_default_adapters_are_rank_8_on_the_query_and_value_matrices():
+    """U19 §10: "A common choice puts one on the query matrix and one on the value matrix of every layer", with
+    r = 8 in its worked count (2 × 4 096 × 8 = 65 536 numbers per adapted 4 096² matrix)."""
+    default = lora.LoRAConfig()
+    assert (default.rank, default.targets) == (8, ("wq", "wv"))
+    assert lora_params(4096, 4096, default.rank) == 65_536

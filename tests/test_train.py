@@ -287,3 +287,35 @@ def test_ar_objective_refuses_a_bidirectional_model(tmp_path, corpus_dir):
     assert not (tmp_path / "ar").exists()
     with pytest.raises(ConfigError, match=r"TrainConfig.objective = 'mlm' is invalid"):
         tiny_train(objective="mlm")
+
+
+def test_batch_loss_is_token_averaged_and_accumulation_changes_nothing():
+    """M20 §10: L = −(1/n) Σ_t b_t log p(x_t | x_<t), n = Σ b_t over the whole batch: rows with unequal numbers
+    of selected targets (1 and 7 here) are token-averaged, not row-averaged. Splitting the batch into
+    grad_accum = 2 micro-batches (one row each) gives the same loss and the same update."""
+    from mlx_llm.objectives.loss import masked_cross_entropy, token_nll
+    from mlx_llm.train.parallel import make_mesh
+    from mlx_llm.train.step import device_batch, init_state, jit_train_step, optimizer_for
+
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, TINY.vocab_size, (2, 9))
+    mask = np.zeros((2, 8), np.float32)
+    mask[0, 7], mask[1, 1:] = 1.0, 1.0
+    batch = {"tokens": ids[:, :-1], "targets": ids[:, 1:], "mask": mask, "segment_ids": np.zeros((2, 8), np.int32),
+             "positions": np.broadcast_to(np.arange(8, dtype=np.int32), (2, 8))}
+    mesh, results = make_mesh(), {}
+    for accum in (1, 2):
+        tcfg = tiny_train(batch_size=2, seq_len=8, grad_accum=accum, warmup_steps=0)
+        state = init_state(TINY, tcfg, optimizer_for(tcfg))
+        logits = forward(state.params, batch["tokens"], TINY)
+        new, metrics = jit_train_step(TINY, tcfg, mesh)(state, device_batch(batch, mesh))
+        results[accum] = (float(metrics["loss"]), new.params)
+    nll = np.asarray(token_nll(logits, batch["targets"]), np.float64)
+    token_mean = (nll * mask).sum() / mask.sum()
+    row_mean = ((nll * mask).sum(1) / mask.sum(1)).mean()
+    assert abs(token_mean - row_mean) > 0.01  # the two rules differ on this batch
+    np.testing.assert_allclose(results[1][0], token_mean, rtol=1e-5)
+    np.testing.assert_allclose(float(masked_cross_entropy(logits, batch["targets"], mask)), token_mean, rtol=1e-5)
+    np.testing.assert_allclose(results[2][0], results[1][0], rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(results[1][1]), jax.tree.leaves(results[2][1])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
