@@ -1,5 +1,6 @@
 """Preference learning from an SFT run, for the same wall time each (U19 §11–§13, M20 §16): on-policy RL with the
-task's checker as reward, RL with a trained reward model as reward, and DPO; then the β sweep of the KL leash.
+task's checker as reward (the group-baseline trainer, and PPO with a value head), RL with a trained reward model as
+reward, and DPO; then the β sweep of the KL leash.
 
 The start is an SFT run on --task (--sft; default: `experiments.sft_tasks`'s recipe, the main job's model
 pretrained then fully fine-tuned for --sft-seconds). A Bradley–Terry reward model is trained from it first
@@ -12,6 +13,7 @@ in preference_curves.png. The β sweep trains RL (checker) for --beta-seconds pe
 (leash_frontier.png). Writes results.json into --out and experiments/results/preference.json (``--save``).
 
     python -m experiments.preference --out runs/preference [--sft RUN] [--seconds 180]
+    python -m experiments.preference --out runs/preference --only rl_checker,rl_ppo --save preference_ppo
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from mlx_llm.train.metrics import METRICS_FILE
 from mlx_llm.train.run import train_run
 
 LONG = 100_000  # a step count no timed run reaches: --seconds ends it
+METHODS = ("rl_checker", "rl_ppo", "rl_reward_model", "dpo", "dpo_nll")
 
 
 def timed(tcfg, **changes):
@@ -87,14 +90,16 @@ def plot(results: dict, frontier: dict, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for name in ("rl_checker", "rl_reward_model"):
-        axes[0].plot(*smooth(results[name]["curves"]["accuracy"]), label=f"{name}: checker exact match of samples")
-    axes[0].plot(*smooth(results["rl_reward_model"]["curves"]["reward"]), "--",
-                 label="rl_reward_model: reward-model score of samples")
+    for name in ("rl_checker", "rl_ppo", "rl_reward_model"):
+        if name in results:
+            axes[0].plot(*smooth(results[name]["curves"]["accuracy"]), label=f"{name}: checker exact match of samples")
+    if "rl_reward_model" in results:
+        axes[0].plot(*smooth(results["rl_reward_model"]["curves"]["reward"]), "--",
+                     label="rl_reward_model: reward-model score of samples")
     axes[0].set_xlabel("RL step")
     axes[0].set_ylabel("per-step mean (smoothed)")
     axes[0].legend(fontsize=8)
-    for name in ("dpo", "dpo_nll"):
+    for name in [n for n in ("dpo", "dpo_nll") if n in results]:
         axes[1].plot(*smooth(results[name]["curves"]["accuracy"]), label=f"{name}: train preference accuracy")
     axes[1].set_xlabel("DPO step")
     axes[1].legend(fontsize=8)
@@ -103,6 +108,8 @@ def plot(results: dict, frontier: dict, out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out / "preference_curves.png", dpi=110)
     plt.close(fig)
+    if not frontier:
+        return
     fig, ax = plt.subplots(figsize=(6, 4))
     kl = [frontier[b]["kl"] for b in frontier]
     rw = [frontier[b]["reward"] for b in frontier]
@@ -130,11 +137,12 @@ def main() -> None:
     ap.add_argument("--eval-examples", type=int, default=500)
     ap.add_argument("--train-examples", type=int, default=4000, help="task problems the pairs are built from")
     ap.add_argument("--replot", action="store_true", help="redraw OUT's plots from its runs and results.json")
+    ap.add_argument("--only", help=f"comma-separated methods to run (of {', '.join(METHODS)}); no β sweep")
     common.add_save_argument(ap, "preference")
     args = ap.parse_args()
     if args.replot:
         results = common.load_result("results", args.out)
-        for name in ("rl_checker", "rl_reward_model", "dpo", "dpo_nll"):
+        for name in [m for m in METHODS if m in results]:
             results[name].pop("curve", None)
             results[name]["curves"] = run_curves(args.out / name, name)
         plot(results, results["leash_frontier"], args.out)
@@ -145,12 +153,20 @@ def main() -> None:
     quiet = dict(show_progress=False, log=lambda *a: None)
     n_eval = args.eval_examples
     n_pairs = args.train_examples
-    rm = reward_run(args.out / "reward", sft, tcfg=timed(PREF_TRAIN["reward"]), max_seconds=args.rm_seconds,
-                    settings=RewardConfig(task=args.task, model_negatives=True, n_train=n_pairs), **quiet)
-    print(f"reward model: held-out preference accuracy {rm['val_accuracy']:.3f} after {rm['steps']} steps", flush=True)
+    only = METHODS if args.only is None else tuple(args.only.split(","))
+    if set(only) - set(METHODS):
+        ap.error(f"--only {args.only}: the methods are {', '.join(METHODS)}")
+    rm = None
+    if "rl_reward_model" in only:
+        rm = reward_run(args.out / "reward", sft, tcfg=timed(PREF_TRAIN["reward"]), max_seconds=args.rm_seconds,
+                        settings=RewardConfig(task=args.task, model_negatives=True, n_train=n_pairs), **quiet)
+        print(f"reward model: held-out preference accuracy {rm['val_accuracy']:.3f} after {rm['steps']} steps",
+              flush=True)
     runs = {
         "rl_checker": lambda out, s: rl_run(out, sft, tcfg=timed(PREF_TRAIN["rl"]), max_seconds=s,
                                             settings=RLConfig(task=args.task, eval_examples=n_eval), **quiet),
+        "rl_ppo": lambda out, s: rl_run(out, sft, tcfg=timed(PREF_TRAIN["rl"]), max_seconds=s, settings=RLConfig(
+            task=args.task, algorithm="ppo", eval_examples=n_eval), **quiet),
         "rl_reward_model": lambda out, s: rl_run(out, sft, tcfg=timed(PREF_TRAIN["rl"]), max_seconds=s,
                                                  settings=RLConfig(task=args.task, reward_model=args.out / "reward",
                                                                    eval_examples=n_eval), **quiet),
@@ -160,8 +176,8 @@ def main() -> None:
             task=args.task, nll_weight=1.0, model_negatives=True, n_train=n_pairs, eval_examples=n_eval), **quiet),
     }
     results = {"sft": str(sft), "task": args.task, "seconds": args.seconds, "reward_model": rm}
-    for name, run in runs.items():
-        summary = run(args.out / name, args.seconds)
+    for name in only:
+        summary = runs[name](args.out / name, args.seconds)
         results[name] = {"heldout_accuracy": summary["heldout_accuracy"],
                          "sft_heldout_accuracy": summary["base_heldout_accuracy"], "steps": summary["steps"],
                          "kl_to_sft": heldout_kl(args.out / name, sft, args.task),
@@ -169,7 +185,7 @@ def main() -> None:
         print(f"{name}: held-out exact match {summary['base_heldout_accuracy']:.3f} → {summary['heldout_accuracy']:.3f}"
               f", KL to SFT {results[name]['kl_to_sft']:.4f}, {summary['steps']} steps", flush=True)
     frontier = {}
-    for beta in args.betas.split(","):
+    for beta in args.betas.split(",") if args.only is None else ():
         name = f"beta_{beta}"
         rl_run(args.out / name, sft, tcfg=timed(PREF_TRAIN["rl"]), max_seconds=args.beta_seconds,
                settings=RLConfig(task=args.task, beta=float(beta), eval_examples=n_eval), **quiet)

@@ -15,6 +15,7 @@ from mlx_llm.cli import build_parser
 from mlx_llm.cli import parser as parser_lib
 from mlx_llm.cli.flags import given
 from mlx_llm.config import TrainConfig
+from helpers import cli_in_process
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -98,3 +99,14 @@ def test_ctrl_c_names_the_checkpoint_only_for_training_commands(monkeypatch, cap
     assert cli.main(argv) == 130
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"mlx-llm {command}: interrupted") and ("last checkpoint is kept" in err) == kept
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--clip", "0.3"], "RLConfig ['clip'] apply to algorithm 'ppo' only, not 'group'"),
+    (["--algorithm", "ppo", "--epochs", "0"], "RLConfig.epochs = 0 is invalid: it must be an integer >= 1"),
+    (["--algorithm", "ppo", "--value-coef", "-1"], "RLConfig.value_coef = -1.0 is invalid"),
+])
+def test_bad_ppo_settings_are_refused_in_one_line_before_anything_is_written(tmp_path, flags, message):
+    proc = cli_in_process("rl", "--base", tmp_path / "base", "--task", "arithmetic", *flags, "--out", tmp_path / "o")
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert message in proc.stderr and not (tmp_path / "o").exists()

@@ -167,7 +167,8 @@ MAMBA = {  # M20 §19, Gu & Dao 2023 (layers/mamba.py): rules "dt_bias" and "A_l
 KINDS = {"attn": ATTN, "mamba": MAMBA, "swiglu": SWIGLU, "moe": MOE, "none": {}}
 
 HEADS = {  # trained beside a model, not part of it: the reward model's r = w · R_last (U19 §11, post/reward.py)
-    "reward_head": ParamInfo(("D",), "zeros"),
+    "reward_head": ParamInfo(("D",), "zeros"),  # and PPO's value V_t = w · R_t (post/ppo.py)
+    "value_head": ParamInfo(("D",), "zeros"),
 }
 
 

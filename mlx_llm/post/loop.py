@@ -138,18 +138,22 @@ def initial_trainable(base: Base, lora_cfg, seed: int):
 
 
 def compiled_update(cfg: ModelConfig, tcfg: TrainConfig, objective: Callable, trainable, frozen, example_batch, *,
-                    offsets: Callable | None = None, count_name: str = "pairs"):
+                    offsets: Callable | None = None, count_name: str = "pairs", epochs: int = 1,
+                    minibatches: int = 1):
     """The run's update (``train.step.make_update`` of ``objective``) jitted on the mesh of ``tcfg.mesh`` (state
     and frozen trees sharded by ``parallel.param_spec``, the batch split over the batch axes, the state donated),
     compiled ahead of time for the run's shapes (``example_batch``: one batch as the batch source returns it) and
     checked against the devices' memory (train/preflight.py) before the run directory is created: a step that
-    cannot fit is refused in one line. ``post_fit`` then runs this executable (one compile)."""
+    cannot fit is refused in one line. ``post_fit`` then runs this executable (one compile). ``epochs`` ×
+    ``minibatches``: the optimizer updates of one step (PPO's passes over a rollout; ``make_update``)."""
     mesh = make_mesh(tcfg.mesh)
     rows = jax.tree.leaves(example_batch)[0].shape[0]  # pairs, or RL's prompts × replies
-    check_batch_divisible(rows, tcfg.grad_accum, mesh)
-    state = jax.eval_shape(lambda: init_state(cfg, tcfg, optimizer_for(tcfg), trainable))
+    check_batch_divisible(rows // minibatches, tcfg.grad_accum, mesh)
+    optimizer = optimizer_for(tcfg, epochs * minibatches)
+    state = jax.eval_shape(lambda: init_state(cfg, tcfg, optimizer, trainable))
     state_sh, frozen_sh, batch_sh = tree_shardings(state, mesh), tree_shardings(frozen, mesh), batch_sharding(mesh)
-    update = on_mesh(make_update(objective, tcfg, optimizer_for(tcfg), offsets=offsets, count_name=count_name), mesh)
+    update = on_mesh(make_update(objective, tcfg, optimizer, offsets=offsets, count_name=count_name, epochs=epochs,
+                                 minibatches=minibatches), mesh)
     jitted = jax.jit(update, in_shardings=(state_sh, batch_sh, frozen_sh), out_shardings=(state_sh, replicated(mesh)),
                      donate_argnums=0)
 

@@ -15,13 +15,16 @@ k − 1 replies to the same prompt, so k ≥ 2; RLOO, GRPO-style group-relative 
 advantage A = r̃ − baseline gives an unbiased estimate of ∇J = E_π[A ∇ log π_θ(y)] (the KL term's own
 E_π[∇ log π_θ] vanishes), so the fixed point is exactly π* — ``train_bandit`` runs the same functions on a
 3-answer bandit and lands on the closed form. (The k3 estimator r/π − log(r/π) − 1 as a loss term has the
-gradient of the *forward* KL(π_ref ‖ π), whose optimum is not π*.)
+gradient of the *forward* KL(π_ref ‖ π), whose optimum is not π*.) ``RLConfig.algorithm = "ppo"`` trains the
+same leashed objective with a value head instead of the group baseline (post/ppo.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +36,7 @@ from mlx_llm.errors import ConfigError
 from mlx_llm.post import loop
 from mlx_llm.post import lora as lora_lib
 from mlx_llm.post import pairs as pairs_lib
+from mlx_llm.post import ppo
 from mlx_llm.post import tasks as tasks_lib
 from mlx_llm.post.reward import load_reward_model
 from mlx_llm.post.sft import REPLY_TOKENS, eval_task, sample_replies
@@ -193,14 +197,47 @@ class Sampler:
         return {"ids": seqs["ids"], "target": seqs["target"], "reward": reward}, host
 
 
+@dataclasses.dataclass
+class Algorithm:
+    """What an RL algorithm gives ``rl_run``: the trainable tree and its policy part, the objective, an example
+    batch to compile for, the batch source ``(step, trainable) → (batch, host metrics)`` and the updates per step."""
+
+    trainable: Any
+    policy: Callable
+    objective: Callable
+    example_batch: dict
+    batches: Callable
+    count_name: str
+    describe: str
+    epochs: int = 1
+    minibatches: int = 1
+
+
+def _algorithm(base: loop.Base, tcfg: TrainConfig, s: RLConfig, sampler: "Sampler", lora_cfg) -> Algorithm:
+    """The group-baseline trainer (this module) or PPO (post/ppo.py) for ``s.algorithm``."""
+    kernels = tcfg.kernels(resolve=True)
+    if s.algorithm == "ppo":
+        ppo.check_rollout_split(tcfg.batch_size * s.k, s, tcfg.grad_accum)
+        return Algorithm(ppo.initial_trainable(base, lora_cfg, tcfg.seed), lambda t: t["policy"],
+                         ppo.make_objective(base.cfg, s, lora_cfg, kernels, tcfg.remat), ppo.example_batch(sampler),
+                         lambda step, t: ppo.rollout_batch(sampler, step, t, s, kernels), "reply_tokens",
+                         f"PPO: {s.epochs} epochs × {s.minibatches} minibatches per rollout, ε = {s.clip:g}, "
+                         f"λ = {s.gae_lambda:g}", s.epochs, s.minibatches)
+    return Algorithm(loop.initial_trainable(base, lora_cfg, tcfg.seed), lambda t: t,
+                     make_objective(base.cfg, s.beta, s.k, lora_cfg, kernels, tcfg.remat), sampler.example_batch(),
+                     sampler, "replies", "leave-one-out group baseline")
+
+
 def rl_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, settings: RLConfig | None = None,
            lora_cfg: lora_lib.LoRAConfig | None = None, resume: bool = False, changes: dict | None = None,
            from_step: int | None = None, show_progress: bool = True, max_seconds: float | None = None,
            log=print) -> dict:
     """KL-leashed on-policy RL from ``base_run`` on ``settings.task`` (``tcfg.batch_size`` prompts × ``k`` replies
     per step), rewarded by the task's checker or by ``settings.reward_model`` (a reward run with the policy's
-    tokenizer); the reference is the base unless ``settings.reference`` names another run. Held-out exact match
-    before and after. On resume everything is read back from the run (``changes``, ``from_step``: ``loop.resume_of``)."""
+    tokenizer); the reference is the base unless ``settings.reference`` names another run. ``settings.algorithm``:
+    the leave-one-out group baseline (this module) or PPO (post/ppo.py: a value head, GAE, several clipped updates
+    per rollout). Held-out exact match before and after. On resume everything is read back from the run
+    (``changes``, ``from_step``: ``loop.resume_of``)."""
     run_dir = Path(run_dir)
     run, resumed, plan = loop.resume_of(run_dir, resume, changes, from_step)
     if run is not None:
@@ -220,26 +257,26 @@ def rl_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, settings:
     frozen = {"reference": ref.params, **({"base": base.params} if lora_cfg is not None else {})}
     sampler = Sampler(base, s.task, tcfg, s.k, frozen, lora_cfg, n_train=s.n_train, reward_model=rm)
     record = loop.post_record("rl", base, lora_cfg, settings)
-    trainable = loop.initial_trainable(base, lora_cfg, tcfg.seed)
-    objective = make_objective(base.cfg, s.beta, s.k, lora_cfg, tcfg.kernels(resolve=True), tcfg.remat)
-    update = loop.compiled_update(base.cfg, schedule_config(tcfg, plan and plan.schedule_steps), objective,
-                                  trainable, frozen, sampler.example_batch(),
-                                  offsets=None if lora_cfg else moe_offsets(base.cfg), count_name="replies")
+    algo = _algorithm(base, tcfg, s, sampler, lora_cfg)
+    update = loop.compiled_update(base.cfg, schedule_config(tcfg, plan and plan.schedule_steps), algo.objective,
+                                  algo.trainable, frozen, algo.example_batch,
+                                  offsets=None if lora_cfg else moe_offsets(base.cfg), count_name=algo.count_name,
+                                  epochs=algo.epochs, minibatches=algo.minibatches)
     before = None if resume else eval_task(base.params, base.cfg, base.tok, s.task, base.template,
                                            n=s.eval_examples)
     with locked_run_dir(run_dir, resume):  # held to the end of the run
         loop.start_run(run_dir, base, tcfg, record, plan)
         log(f"rl from {base.run} (step {base.step}) on {s.task}: {tcfg.batch_size} prompts × {s.k} replies per "
             f"step, β = {s.beta:g}, reward from {'the checker' if rm is None else rm.run}; "
-            f"{'LoRA' if lora_cfg else 'full'}")
+            f"{'LoRA' if lora_cfg else 'full'}; {algo.describe}")
 
         def evaluate(trainable):
-            params = loop.policy_params(trainable, frozen, lora_cfg)
+            params = loop.policy_params(algo.policy(trainable), frozen, lora_cfg)
             return {"heldout_accuracy": eval_task(params, base.cfg, base.tok, s.task, base.template,
                                                   n=s.eval_examples)["accuracy"]}
 
-        out = loop.post_fit(run_dir, base.cfg, tcfg, trainable, frozen, update, sampler, evaluate, plan=plan,
-                            show_progress=show_progress, max_seconds=max_seconds, log=log, on_policy=True)
+        out = loop.post_fit(run_dir, base.cfg, tcfg, algo.trainable, frozen, update, algo.batches, evaluate,
+                            plan=plan, show_progress=show_progress, max_seconds=max_seconds, log=log, on_policy=True)
         summary = {**out["summary"],
                    **{key: out["last"].get(key) for key in ("reward", "accuracy", "kl", "response_length")}}
         if before is not None:

@@ -19,6 +19,9 @@ from mlx_llm.train.data import DEFAULT_EXTENSIONS, DEFAULT_VAL_PERCENT
 
 TOKENIZERS = ("bpe", "byte")
 LORA_TARGETS = layout.lora_targets()  # the weights LoRA can adapt (layers/layout.py: each one's ``lora_in``)
+RL_ALGORITHMS = ("group", "ppo")
+# PPO's settings when not given (Schulman et al. 2017; γ = 1 over a reply, the usual choice for language models)
+PPO_DEFAULTS = {"clip": 0.2, "epochs": 4, "minibatches": 4, "value_coef": 0.5, "value_clip": 0.2, "gae_lambda": 0.95}
 DEFAULT_TARGETS = ("wq", "wv")  # U19 §10's rule of thumb: query and value
 DEFAULT_VOCAB = 1024  # the main job's BPE vocabulary (recipes.MAIN_JOB_VOCAB)
 
@@ -156,6 +159,19 @@ class RLConfig(JsonConfig):
     reference: str | None = setting(None, "the frozen reference run (default: the base)", metavar="RUN",
                                  path=True)
     eval_examples: int | None = setting(200, "held-out task examples scored before and after (unset: all)")
+    algorithm: str = setting("group", "the update: 'group' (REINFORCE with a leave-one-out baseline over each "
+                             "prompt's k replies) or 'ppo' (a value head on the trunk, GAE over the reply tokens, "
+                             "the clipped surrogate; Schulman et al. 2017)", choices=RL_ALGORITHMS)
+    clip: float | None = setting(None, "ppo: ε of the clipped probability ratio 1 ± ε, in (0, 1) (default 0.2)",
+                                 show_default=False)
+    epochs: int | None = setting(None, "ppo: passes over each rollout (default 4)", show_default=False)
+    minibatches: int | None = setting(None, "ppo: minibatches per pass; they split the rollout's prompts × k "
+                                      "replies evenly (default 4)", show_default=False)
+    value_coef: float | None = setting(None, "ppo: weight of the value loss, >= 0 (default 0.5)", show_default=False)
+    value_clip: float | None = setting(None, "ppo: how far an update may move a value from its rollout value, > 0 "
+                                       "(default 0.2)", show_default=False)
+    gae_lambda: float | None = setting(None, "ppo: λ of generalised advantage estimation, in [0, 1] (default "
+                                       "0.95)", show_default=False)
 
     def __post_init__(self) -> None:
         _check_task(self, required=True)
@@ -163,10 +179,35 @@ class RLConfig(JsonConfig):
         object.__setattr__(self, "reference", _absolute(self.reference))
         _check_int(self, "n_train", 1, optional=True)
         _check_number(self, "beta", low=0.0, positive=True)
-        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 2:
-            raise ConfigError(f"RLConfig.k = {self.k!r} is invalid: group-relative advantages compare each reply "
-                              f"with the other replies to its prompt, so k must be an integer ≥ 2")
+        if self.algorithm not in RL_ALGORITHMS:
+            raise ConfigError(f"RLConfig.algorithm = {self.algorithm!r} is invalid: valid algorithms are "
+                              f"{list(RL_ALGORITHMS)}")
+        low = 2 if self.algorithm == "group" else 1
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < low:
+            raise ConfigError(f"RLConfig.k = {self.k!r} is invalid: " + (
+                "group-relative advantages compare each reply with the other replies to its prompt, so k must be "
+                "an integer ≥ 2" if low == 2 else "k must be a positive integer"))
         _check_int(self, "eval_examples", 1, optional=True)
+        self._check_ppo()
+
+    def _check_ppo(self) -> None:
+        given = [name for name in PPO_DEFAULTS if getattr(self, name) is not None]
+        if self.algorithm != "ppo":
+            if given:
+                raise ConfigError(f"RLConfig {given} apply to algorithm 'ppo' only, not {self.algorithm!r}")
+            return
+        for name, default in PPO_DEFAULTS.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, default)
+        _check_int(self, "epochs", 1)
+        _check_int(self, "minibatches", 1)
+        _check_number(self, "value_coef", low=0.0)
+        _check_number(self, "value_clip", low=0.0, positive=True)
+        for name, low, high, closed in (("clip", 0.0, 1.0, False), ("gae_lambda", 0.0, 1.0, True)):
+            value = _check_number(self, name, low=low, positive=not closed)
+            if value > high or (value == high and not closed):
+                raise ConfigError(f"RLConfig.{name} = {value!r} is invalid: it must be in "
+                                  f"{'[' if closed else '('}{low:g}, {high:g}{']' if closed else ')'}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,10 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from mlx_llm.config import ModelConfig, TrainConfig
 from mlx_llm.errors import CheckpointError, ConfigError
+from mlx_llm.model import init_params
 from mlx_llm.post import lora as lora_lib
 from mlx_llm.runs.record import Run, RunRecord, open_run, write_run
 from mlx_llm.train import tokenizer as tok_lib
@@ -43,11 +45,13 @@ def checkpoint_step(run: Run, step: int | None) -> int:
 
 def restore_params(run, step: int | None = None, *, like=None):
     """The trainable tree stored in a run's checkpoint (latest by default), shaped like ``like`` (default: the
-    model's parameters), replicated on the local devices."""
+    model's parameters; a function returning the tree is called only to trace its shapes), replicated on the
+    local devices."""
     run = as_run(run)
     step = checkpoint_step(run, step)
     mesh = make_mesh()
-    abstract = jax.eval_shape(lambda: init_state(run.cfg, run.tcfg, optimizer_for(run.tcfg), like))
+    abstract = jax.eval_shape(lambda: init_state(run.cfg, run.tcfg, optimizer_for(run.tcfg),
+                                                 like() if callable(like) else like))
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated(mesh)), abstract)
     ckpts = Checkpoints(run.path)
     try:
@@ -69,11 +73,17 @@ def load_params(run, step: int | None = None):
     run = as_run(run)
     run.require_language_model("loading its parameters as a model")
     lora_cfg = run.record.lora
-    if lora_cfg is None:
-        return restore_params(run, step)
-    base = base_params(run)
-    adapters = restore_params(run, step, like=lora_lib.init(base, lora_cfg, jax.random.key(0)))
-    return lora_lib.merge(base, adapters, lora_cfg)
+    base = None if lora_cfg is None else base_params(run)
+    policy = None if lora_cfg is None else lora_lib.init(base, lora_cfg, jax.random.key(0))
+    if run.kind == "rl" and run.record.settings.algorithm == "ppo":  # the policy beside a value head (post/ppo.py)
+        def like():
+            return {"policy": init_params(run.cfg, jax.random.key(0)) if policy is None else policy,
+                    "value_head": jnp.zeros((run.cfg.d_model,), jnp.float32)}
+
+        trained = restore_params(run, step, like=like)["policy"]
+    else:
+        trained = restore_params(run, step, like=policy)
+    return trained if lora_cfg is None else lora_lib.merge(base, trained, lora_cfg)
 
 
 def check_new_dir(path: Path, what: str) -> None:

@@ -49,9 +49,13 @@ def schedule_for(tcfg: TrainConfig):
     return warmup_cosine(tcfg.lr, tcfg.warmup_steps, tcfg.steps, tcfg.final_lr_fraction)
 
 
-def optimizer_for(tcfg: TrainConfig) -> optax.GradientTransformation:
-    return make_optimizer(schedule_for(tcfg), b1=tcfg.b1, b2=tcfg.b2, weight_decay=tcfg.weight_decay,
-                          clip_norm=tcfg.clip_norm)
+def optimizer_for(tcfg: TrainConfig, updates_per_step: int = 1) -> optax.GradientTransformation:
+    """The run's AdamW chain; with ``updates_per_step`` optimizer updates per training step (PPO's epochs ×
+    minibatches), the learning rate follows the schedule of the step, constant within it."""
+    schedule = schedule_for(tcfg)
+    if updates_per_step != 1:
+        schedule = (lambda base, n: lambda count: base(count // n))(schedule, updates_per_step)
+    return make_optimizer(schedule, b1=tcfg.b1, b2=tcfg.b2, weight_decay=tcfg.weight_decay, clip_norm=tcfg.clip_norm)
 
 
 def init_state(cfg: ModelConfig, tcfg: TrainConfig, optimizer: optax.GradientTransformation,
@@ -146,15 +150,20 @@ def moe_offsets(cfg: ModelConfig, path: tuple[str, ...] = ()) -> Callable | None
 
 
 def make_update(objective: Callable, tcfg: TrainConfig, optimizer: optax.GradientTransformation, *,
-                offsets: Callable | None = None, count_name: str = "targets") -> Callable:
-    """(state, batch, frozen) → (state, metrics): the one optimizer step of every run kind; not jitted here.
+                offsets: Callable | None = None, count_name: str = "targets", epochs: int = 1,
+                minibatches: int = 1) -> Callable:
+    """(state, batch, frozen) → (state, metrics): the one training step of every run kind; not jitted here.
 
     ``objective(trainable, frozen, micro-batch, key) → (Σ loss, (count, expert load, {name: Σ metric}))`` sums
-    over its micro-batch; the step accumulates those sums over ``tcfg.grad_accum`` micro-batches (the batch's
-    leading axis split in order) and divides by the total count, so the loss is the mean over the whole step
-    whatever the split (M20 §10). The key is the state's key folded with the step and the micro-batch index, so
-    a resumed run draws exactly what the uninterrupted one would have. After the optimizer step ``offsets``
-    (``moe_offsets``) moves the MoE balancing offsets by the loads counted over the whole global batch.
+    over its micro-batch; an optimizer update accumulates those sums over ``tcfg.grad_accum`` micro-batches (the
+    batch's leading axis split in order) and divides by the total count, so the loss is the mean over the whole
+    update whatever the split (M20 §10). The key is the state's key folded with the step and the micro-batch
+    index, so a resumed run draws exactly what the uninterrupted one would have. After each optimizer update
+    ``offsets`` (``moe_offsets``) moves the MoE balancing offsets by the loads counted over its whole batch.
+
+    With ``epochs`` × ``minibatches`` > 1 (PPO, post/ppo.py) the step makes that many optimizer updates on the
+    one batch: each epoch visits the rows in a fresh permutation (drawn from the step's key), split into
+    ``minibatches`` equal minibatches; the metrics are the mean over the updates. The state's step counts steps.
     """
     grad_fn = jax.value_and_grad(objective, has_aux=True)
     schedule = schedule_for(tcfg)
@@ -173,21 +182,49 @@ def make_update(objective: Callable, tcfg: TrainConfig, optimizer: optax.Gradien
         zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
         return jax.lax.scan(body, zeros, (micro, jnp.arange(tcfg.grad_accum)))[0]
 
-    def update(state: TrainState, batch, frozen):
-        key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-        (loss_sum, (n, load, sums)), grads = accumulate(state.params, frozen, batch, key)
+    def one_update(params, opt_state, frozen, batch, key):
+        (loss_sum, (n, load, sums)), grads = accumulate(params, frozen, batch, key)
         grads = jax.tree.map(lambda g: g / n, grads)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
         if offsets is not None:
             params = offsets(params, load)
-        metrics = {"loss": loss_sum / n, "grad_norm": optax.tree.norm(strip_routing_state(grads)),
-                   "lr": schedule(state.step), count_name: n, "expert_load": load,
-                   **{name: total / n for name, total in sums.items()}}
+        metrics = {"loss": loss_sum / n, "grad_norm": optax.tree.norm(strip_routing_state(grads)), count_name: n,
+                   "expert_load": load, **{name: total / n for name, total in sums.items()}}
+        return params, opt_state, metrics
+
+    def update(state: TrainState, batch, frozen):
+        key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+        if epochs * minibatches == 1:
+            params, opt_state, metrics = one_update(state.params, state.opt_state, frozen, batch, key)
+        else:
+            params, opt_state, metrics = _several_updates(one_update, state, frozen, batch, key, epochs, minibatches)
         new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, data_step=state.data_step + 1)
-        return new, metrics
+        loss, grad_norm = metrics.pop("loss"), metrics.pop("grad_norm")
+        return new, {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step), **metrics}
 
     return update
+
+
+def _several_updates(one_update: Callable, state: TrainState, frozen, batch, key, epochs: int, minibatches: int):
+    """``epochs`` passes over ``batch`` in ``minibatches`` minibatches each (a permutation per epoch from
+    ``key``): (params, opt_state, metrics averaged over the updates; expert loads summed)."""
+    rows = jax.tree.leaves(batch)[0].shape[0]
+    order = jnp.stack([jax.random.permutation(jax.random.fold_in(key, 1_000_003 + e), rows) for e in range(epochs)])
+    order = order.reshape(epochs * minibatches, rows // minibatches)
+
+    def body(carry, xs):
+        params, opt_state = carry
+        idx, i = xs
+        mb = jax.tree.map(lambda a: jnp.take(a, idx, axis=0), batch)
+        params, opt_state, metrics = one_update(params, opt_state, frozen, mb, jax.random.fold_in(key, 7919 + i))
+        return (params, opt_state), metrics
+
+    (params, opt_state), per_update = jax.lax.scan(body, (state.params, state.opt_state),
+                                                   (order, jnp.arange(epochs * minibatches)))
+    load = per_update.pop("expert_load")
+    metrics = {name: jnp.mean(value) for name, value in per_update.items()}
+    return params, opt_state, {**metrics, "expert_load": jax.tree.map(lambda a: jnp.sum(a, axis=0), load)}
 
 
 def make_train_step(cfg: ModelConfig, tcfg: TrainConfig, optimizer: optax.GradientTransformation,
