@@ -85,13 +85,10 @@ def test_rl_raises_heldout_exact_match_above_its_sft_start(sft_start, tmp_path):
     assert 0 < summary["kl"] < 1.0 and summary["response_length"] > 1, summary
 
 
-def test_resumed_rl_run_replays_the_same_samples_and_parameters(sft_start, tmp_path):
-    """On-policy samples are a function of (seed, step, parameters): a resumed LoRA RL run equals the
-    uninterrupted one, metrics line for line."""
-    tcfg = tiny(batch_size=2)
-    lora = LoRAConfig(rank=2, alpha=4.0)
-    kw = dict(settings=RLConfig(task=TASK, k=2, beta=0.1, n_train=50, eval_examples=8), tcfg=tcfg, lora_cfg=lora,
-              **QUIET)
+def resumed_equals_uninterrupted(sft_start, tmp_path, settings: RLConfig):
+    """A 4-step LoRA RL run, and the same run with its last checkpoint removed and resumed: the same parameters
+    and metrics line for line. Returns the uninterrupted run."""
+    kw = dict(settings=settings, tcfg=tiny(batch_size=2), lora_cfg=LoRAConfig(rank=2, alpha=4.0), **QUIET)
     full, cut = tmp_path / "full", tmp_path / "cut"
     rl_run(full, sft_start, **kw)
     rl_run(cut, sft_start, **kw)
@@ -99,6 +96,14 @@ def test_resumed_rl_run_replays_the_same_samples_and_parameters(sft_start, tmp_p
     rl_run(cut, resume=True, **QUIET)
     chex.assert_trees_all_equal(jax.device_get(load_params(cut)), jax.device_get(load_params(full)))
     assert (cut / "metrics.jsonl").read_text() == (full / "metrics.jsonl").read_text()
+    return full
+
+
+def test_resumed_rl_run_replays_the_same_samples_and_parameters(sft_start, tmp_path):
+    """On-policy samples are a function of (seed, step, parameters): a resumed LoRA RL run equals the
+    uninterrupted one, metrics line for line."""
+    full = resumed_equals_uninterrupted(sft_start, tmp_path, RLConfig(task=TASK, k=2, beta=0.1, n_train=50,
+                                                                      eval_examples=8))
     rows = [json.loads(line) for line in (full / "metrics.jsonl").read_text().splitlines()]
     assert {"reward", "kl", "accuracy", "response_length", "loss"} <= set(rows[0])
     assert abs(rows[0]["kl"]) < 1e-5  # the first step's policy is the reference (B = 0), up to float32 rounding
@@ -123,17 +128,9 @@ def test_ppo_raises_heldout_exact_match_above_its_sft_start(sft_start, tmp_path)
 def test_resumed_ppo_run_replays_the_same_rollouts_and_parameters(sft_start, tmp_path):
     """A resumed LoRA PPO run (value head and adapters in the checkpoint) equals the uninterrupted one, metrics
     line for line; its policy loads as a model and merges."""
-    tcfg = tiny(batch_size=2)
     settings = RLConfig(task=TASK, algorithm="ppo", k=2, beta=0.1, epochs=2, minibatches=2, n_train=50,
                         eval_examples=8)
-    kw = dict(settings=settings, tcfg=tcfg, lora_cfg=LoRAConfig(rank=2, alpha=4.0), **QUIET)
-    full, cut = tmp_path / "full", tmp_path / "cut"
-    rl_run(full, sft_start, **kw)
-    rl_run(cut, sft_start, **kw)
-    shutil.rmtree(cut / "checkpoints" / "4")
-    rl_run(cut, resume=True, **QUIET)
-    chex.assert_trees_all_equal(jax.device_get(load_params(cut)), jax.device_get(load_params(full)))
-    assert (cut / "metrics.jsonl").read_text() == (full / "metrics.jsonl").read_text()
+    full = resumed_equals_uninterrupted(sft_start, tmp_path, settings)
     assert open_run(full).record.settings == settings
     assert cli.main(["export-merged", "--run", str(full), "--out", str(tmp_path / "merged")]) == 0
     chex.assert_trees_all_close(jax.device_get(load_params(tmp_path / "merged")), jax.device_get(load_params(full)))
