@@ -102,7 +102,8 @@ def plot(results: dict, frontier: dict, out: Path) -> None:
     for name in [n for n in ("dpo", "dpo_nll") if n in results]:
         axes[1].plot(*smooth(results[name]["curves"]["accuracy"]), label=f"{name}: train preference accuracy")
     axes[1].set_xlabel("DPO step")
-    axes[1].legend(fontsize=8)
+    if any(n in results for n in ("dpo", "dpo_nll")):
+        axes[1].legend(fontsize=8)
     for ax in axes:
         ax.grid(alpha=0.3)
     fig.tight_layout()
