@@ -263,3 +263,41 @@ def decode_state_bytes(cfg: ModelConfig, seq_len: int, batch: int = 1, dtype="fl
     conv, ssm = _mamba_state_scalars(cfg, _count("batch", batch))
     size = bytes_per_scalar(dtype)
     return kv_cache_bytes(cfg, seq_len, batch, dtype) + conv * size + ssm * max(size, 4)
+
+
+# ----- sizing a run by compute ------------------------------------------------------------------------------
+
+PARAM_COUNTS = ("non_embedding", "total", "active")  # the N a tokens-per-parameter ratio multiplies
+
+
+def _positive(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not np.isfinite(value) or value <= 0:
+        raise ConfigError(f"{name} = {value!r} is invalid: it must be a finite number > 0")
+    return float(value)
+
+
+def steps_for_flops(cfg: ModelConfig, seq_len: int, batch_size: int, target_flops: float) -> int:
+    """Optimizer steps that spend ``target_flops`` of training compute: C / (F·B·T) rounded to the nearest
+    step (at least 1), F = ``train_flops_per_token(cfg, T)``, the exact count of what a step computes (full
+    score matrices), and B·T the tokens of one step. The same on every machine (``--target-flops``)."""
+    c = _positive("target_flops", target_flops)
+    tokens = _count("batch_size", batch_size) * _count("seq_len", seq_len)
+    return max(1, round(c / (train_flops_per_token(cfg, seq_len) * tokens)))
+
+
+def param_count(cfg: ModelConfig, which: str = "non_embedding") -> int:
+    """N of ``PARAM_COUNTS``: the non-embedding count (Kaplan et al. 2020), the whole θ, or the active one."""
+    counts = {"non_embedding": cfg.non_embedding_param_count, "total": cfg.param_count,
+              "active": cfg.active_param_count}
+    if which not in counts:
+        raise ConfigError(f"param_count = {which!r} is invalid: valid counts are {list(PARAM_COUNTS)}")
+    return counts[which]()
+
+
+def steps_for_tokens_per_param(cfg: ModelConfig, seq_len: int, batch_size: int, ratio: float,
+                               which: str = "non_embedding") -> int:
+    """Optimizer steps that read ``ratio`` tokens per parameter (20 is Chinchilla's compute-optimal ratio,
+    U19 §8): R·N / (B·T) rounded to the nearest step (at least 1), N = ``param_count(cfg, which)``."""
+    r = _positive("tokens_per_param", ratio)
+    tokens = _count("batch_size", batch_size) * _count("seq_len", seq_len)
+    return max(1, round(r * param_count(cfg, which) / tokens))
