@@ -272,6 +272,9 @@ class ModelConfig(JsonConfig):
 
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
+SCHEDULES = ("cosine", "wsd")  # TrainConfig.schedule (train/optim.py)
+DECAY_SHAPES = ("1-sqrt", "linear")  # the wsd decay (optim.DECAY_SHAPES)
+OPTIMIZERS = ("adamw", "muon")  # TrainConfig.optimizer
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -311,6 +314,20 @@ class TrainConfig(JsonConfig):
                         "data); parameters and optimizer state are split along fsdp", metavar="AXIS=N,...")
     remat: str = setting("none", "recompute activations per layer in the backward pass: none, full or dots",
                          choices=REMAT_POLICIES)
+    schedule: str = setting("cosine", "learning-rate schedule after the warmup: cosine (down to final_lr_fraction) "
+                            "or wsd (warmup-stable-decay: the peak until the last decay_fraction of the steps, then "
+                            "down to final_lr_fraction; Hägele et al. 2024)", choices=SCHEDULES)
+    decay_fraction: float = setting(0.2, "wsd: share of the steps in the final decay, in (0, 1)")
+    decay_shape: str = setting("1-sqrt", "wsd: shape of the decay, 1-sqrt (η ∝ 1 − √p, Hägele et al.'s best) or "
+                               "linear", choices=DECAY_SHAPES)
+    optimizer: str = setting("adamw", "adamw, or muon (Newton–Schulz orthogonalised momentum on each layer's "
+                             "matrices, AdamW on embeddings, norms and the rest; one lr for both)", choices=OPTIMIZERS)
+    z_loss: float = setting(0.0, "weight W of PaLM's z-loss, W·(log Z)² per target token added to the loss (0: off)")
+    skip_spikes: bool = setting(False, "skip an update whose gradient norm exceeds --spike-factor × the running mean "
+                                "of earlier ones (counted as spikes_skipped in the metrics)")
+    spike_factor: float = setting(4.0, "with --skip-spikes: the factor k (> 1) over the running mean gradient norm")
+    watch_interval: int = setting(0, "steps between per-layer RMS diagnostics of parameters, gradients and updates, "
+                                  "computed in the step (0: off)")
     # Execution paths (kernels.Kernels; "auto" per backend): they change no number beyond float tolerance.
     attention_impl: str = setting("auto", "attention implementation (auto: splash on TPU, pallas_gpu on GPU, xla "
                                   "on the CPU below 512 positions; flash: blockwise, linear memory, any backend)",
@@ -344,6 +361,7 @@ class TrainConfig(JsonConfig):
             raise ConfigError(f"TrainConfig.batch_size = {self.batch_size} is not divisible by grad_accum = "
                               f"{self.grad_accum}: each micro-batch must hold a whole number of sequences")
         parse_mesh(self.mesh)
+        self._check_workflow()
         if self.remat not in REMAT_POLICIES:
             raise ConfigError(f"TrainConfig.remat = {self.remat!r} is invalid: valid values are "
                               f"{list(REMAT_POLICIES)}")
@@ -351,6 +369,35 @@ class TrainConfig(JsonConfig):
             raise ConfigError(f"TrainConfig.compute_dtype = {self.compute_dtype!r} is invalid: valid values are "
                               f"{list(COMPUTE_DTYPES)}")
         self.kernels()  # validates the execution-path fields
+
+    def _check_workflow(self) -> None:
+        """The schedule, optimizer and stability settings."""
+        for name, valid in (("schedule", SCHEDULES), ("decay_shape", DECAY_SHAPES), ("optimizer", OPTIMIZERS)):
+            if getattr(self, name) not in valid:
+                raise ConfigError(f"TrainConfig.{name} = {getattr(self, name)!r} is invalid: valid values are "
+                                  f"{list(valid)}")
+        _require_float(self, "decay_fraction", low=0.0, high=1.0)
+        if not 0 < self.decay_fraction < 1:
+            raise ConfigError(f"TrainConfig.decay_fraction = {self.decay_fraction!r} is invalid: it must be in (0, 1)")
+        if self.schedule == "wsd" and self.warmup_steps + self.decay_steps > self.steps:
+            raise ConfigError(f"TrainConfig: warmup_steps = {self.warmup_steps} plus the wsd decay ({self.decay_steps} "
+                              f"steps, decay_fraction {self.decay_fraction:g} of {self.steps}) exceed steps = "
+                              f"{self.steps}: lower --warmup-steps or --decay-fraction")
+        _require_float(self, "z_loss", low=0.0, high=1.0)
+        if self.z_loss and self.objective == "diffusion":
+            raise ConfigError("TrainConfig.z_loss applies to the next-token loss: the diffusion objective has no "
+                              "z-loss (set it to 0)")
+        if not isinstance(self.skip_spikes, bool):
+            raise ConfigError(f"TrainConfig.skip_spikes = {self.skip_spikes!r} is invalid: it must be true or false")
+        _require_float(self, "spike_factor", positive=True)
+        if not self.spike_factor > 1:
+            raise ConfigError(f"TrainConfig.spike_factor = {self.spike_factor!r} is invalid: it must be > 1")
+        _require_int(self, "watch_interval", minimum=0)
+
+    @property
+    def decay_steps(self) -> int:
+        """The wsd schedule's decay steps D = round(decay_fraction · steps), at least 1 (optim.wsd_decay_steps)."""
+        return max(1, round(self.decay_fraction * self.steps))
 
     def kernels(self, platform: str | None = None, *, resolve: bool = False):
         """The run's execution paths (``kernels.Kernels``), resolved for ``platform`` when ``resolve``."""

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mlx_llm.kernels.loss import choose_chunk, chunked_token_nll
+from mlx_llm.kernels.loss import choose_chunk, chunked_token_nll_lse
 from mlx_llm.config import ModelConfig
 from mlx_llm.errors import InputError
 from mlx_llm.kernels import REFERENCE, Kernels, attention_path
@@ -148,16 +148,21 @@ def logits_from_hidden(h_BTD, params: Params, cfg: ModelConfig) -> jax.Array:
     return dense(r_BTD, unembed_matrix(params, cfg), preferred_element_type=acc)
 
 
-def nll_from_hidden(h_BTD, targets_BT, params: Params, cfg: ModelConfig, loss_chunk: int | str = 0) -> jax.Array:
+def nll_from_hidden(h_BTD, targets_BT, params: Params, cfg: ModelConfig, loss_chunk: int | str = 0, *,
+                    return_lse: bool = False):
     """−log p(x_t | x_<t) (B, T) from H⁽ᴸ⁾ (M20 §8, §10). ``loss_chunk`` 0 forms the whole (B, T, V) logits;
     N (or "auto", sized by ``kernels.loss.choose_chunk``) forms N rows of them at a time, in the forward and again
-    in the backward (kernels/loss.py): the same values and gradients without the (B, T, V) tensor."""
+    in the backward (kernels/loss.py): the same values and gradients without the (B, T, V) tensor.
+    ``return_lse``: (nll, log Z) with log Z_t = logsumexp(Λ_t), differentiable (the z-loss)."""
     if not loss_chunk:
-        return token_nll(logits_from_hidden(h_BTD, params, cfg), targets_BT)
+        logits_BTV = logits_from_hidden(h_BTD, params, cfg)
+        nll_BT = token_nll(logits_BTV, targets_BT)
+        return (nll_BT, jax.nn.logsumexp(logits_BTV, axis=-1)) if return_lse else nll_BT
     r_BTD = rms_norm(h_BTD, params["final_norm"], cfg.norm_eps)
     if loss_chunk == "auto":
         loss_chunk = choose_chunk(h_BTD.shape[0] * h_BTD.shape[1], cfg.vocab_size)
-    return chunked_token_nll(r_BTD, unembed_matrix(params, cfg), targets_BT, chunk=loss_chunk)
+    nll_BT, lse_BT = chunked_token_nll_lse(r_BTD, unembed_matrix(params, cfg), targets_BT, chunk=loss_chunk)
+    return (nll_BT, lse_BT) if return_lse else nll_BT
 
 
 REMAT = {"full": jax.checkpoint_policies.nothing_saveable, "dots": jax.checkpoint_policies.dots_saveable}

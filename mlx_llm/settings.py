@@ -72,6 +72,12 @@ def umask_mode() -> int:
 
 def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
     path = Path(path)
+    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write a text file atomically (a crash never leaves half a file)."""
+    path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 
 from mlx_llm.cli.commands import COMMANDS, TRAINING
-from mlx_llm.cli.flags import given
+from mlx_llm.cli.flags import apply_sets, given
 from mlx_llm.cli.parser import build_parser
 from mlx_llm.errors import MLXLLMError
 
@@ -21,7 +21,10 @@ __all__ = ["build_parser", "main"]
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return COMMANDS[args.command](args, given(args), args.subparser)
+        fields = given(args)
+        if hasattr(args, "sections"):
+            fields = apply_sets(fields, args.sets, args.sections)
+        return COMMANDS[args.command](args, fields, args.subparser)
     except MLXLLMError as exc:
         print(f"mlx-llm {args.command}: error: {exc}", file=sys.stderr)
     except OSError as exc:

@@ -17,7 +17,7 @@ from mlx_llm.cli.parser import POST_RECIPES, POST_SETTINGS
 from mlx_llm.config import ModelConfig, TrainConfig
 from mlx_llm.errors import MLXLLMError
 from mlx_llm.recipes import MAIN_JOB_MODEL, MAIN_JOB_TRAIN, MAIN_JOB_VOCAB
-from mlx_llm.runs.configs import DataSpec, LoRAConfig
+from mlx_llm.runs.configs import DataSpec, LoRAConfig, RunOptions, Sizing
 
 
 # ----- resuming: one rule for every training command --------------------------------------------------------
@@ -67,20 +67,34 @@ def cmd_train(args, given: dict, parser) -> int:
         init_distributed(args.coordinator, args.num_processes, args.process_id)
         if args.out is None:
             raise MLXLLMError("a multi-process run needs --out DIR (the same shared directory in every process)")
-    cfg = tcfg = spec = changes = None
-    if args.resume:
-        if args.time_budget is not None:
-            raise MLXLLMError("--time-budget sizes a new run; a resumed run keeps the steps it was given")
+    cfg = tcfg = spec = changes = branch = None
+    sizing = Sizing(**given.pop("sizing", {}))
+    options = RunOptions(**given.pop("run", {}))
+    sized = {"--time-budget": args.time_budget is not None, "--target-flops": sizing.target_flops is not None,
+             "--tokens-per-param": sizing.tokens_per_param is not None}
+    asked = [flag for flag, on in sized.items() if on] + (["--steps"] if "steps" in given.get("train", {}) else [])
+    if len(asked) > 1:
+        raise MLXLLMError(f"{' and '.join(asked)} each set the steps of a run: give one of them")
+    if args.resume or args.branch_from is not None:
+        if any(sized.values()):
+            raise MLXLLMError(f"{asked[0]} sizes a new run; a resumed or branched run keeps its settings "
+                              f"(give --steps)")
+    if args.branch_from is not None:
+        branch = branch_of(args, given, parser)
+    elif args.branch_step is not None:
+        raise MLXLLMError("--branch-step S needs --branch-from RUN: the run to branch off")
+    elif args.resume:
         changes = resumed_changes(args, given, "pretrain", parser)
     else:
-        cfg = ModelConfig.from_json(args.config) if args.config else MAIN_JOB_MODEL
+        cfg = with_given(ModelConfig.from_json(args.config) if args.config else MAIN_JOB_MODEL, given.get("model", {}))
         tcfg = with_given(TrainConfig.from_json(args.train_config) if args.train_config else MAIN_JOB_TRAIN,
                           given.get("train", {}))
         spec = with_given(DataSpec(vocab_size=MAIN_JOB_VOCAB), given.get("data", {}))
     out = args.out or Path("runs") / time.strftime("run-%Y%m%d-%H%M%S")
     summary = train_run(out, cfg, tcfg, spec, resume=args.resume, show_progress=not args.no_progress,
                         cache_dir=args.cache_dir, sample_prompt=args.prompt, sample_tokens=args.sample_tokens,
-                        time_budget=args.time_budget, changes=changes, from_step=args.from_step)
+                        time_budget=args.time_budget, changes=changes, from_step=args.from_step, options=options,
+                        sizing=sizing if sizing.active else None, branch=branch)
     if not is_main_process():  # a multi-process run: process 0 reports
         return 0
     print(f"run: {out}")
@@ -90,6 +104,25 @@ def cmd_train(args, given: dict, parser) -> int:
           f"wall {summary['wall_seconds']:.0f} s")
     print("sample:\n" + summary["sample"])
     return 0
+
+
+def branch_of(args, given: dict, parser):
+    """``--branch-from RUN --branch-step S --steps N``: a new run that takes every setting from RUN but the steps
+    (and where arrays live: ``RESUME_MAY_CHANGE``); anything else given is refused as on --resume."""
+    from mlx_llm.runs.record import open_run
+    from mlx_llm.runs.resume import check_unchanged
+    from mlx_llm.train.run import Branch
+
+    if args.resume or args.from_step is not None:
+        raise MLXLLMError("--branch-from starts a new run: it takes no --resume / --from-step (resume a branch "
+                          "like any run, with --resume --out BRANCH)")
+    if args.out is None or args.branch_step is None or "steps" not in given.get("train", {}):
+        raise MLXLLMError("--branch-from RUN needs --out NEW, --branch-step S and --steps N")
+    if args.config is not None or args.train_config is not None:
+        raise MLXLLMError("--branch-from takes every setting from RUN: drop --config / --train-config")
+    run = open_run(args.branch_from)
+    check_unchanged(run, {k: v for k, v in given.items() if k != "sizing"}, flags_of(parser))
+    return Branch(run=run.path, step=args.branch_step, changes=given.get("train", {}))
 
 
 def _is_diffusion(run_dir) -> bool:
@@ -154,7 +187,8 @@ def cmd_post(args, given: dict, parser) -> int:
 
     kind = args.command
     run_fn = {"sft": sft.sft_run, "reward": reward.reward_run, "dpo": dpo.dpo_run, "rl": rl.rl_run}[kind]
-    common = dict(show_progress=not args.no_progress, from_step=args.from_step)
+    common = dict(show_progress=not args.no_progress, from_step=args.from_step,
+                  options=RunOptions(**given.pop("run", {})))
     if args.resume:
         summary = run_fn(args.out, resume=True, changes=resumed_changes(args, given, kind, parser), **common)
     else:

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 from pathlib import Path
 from typing import Any, Iterable
+
+from mlx_llm.errors import MLXLLMError
 
 SEP = "."  # dest = "<section>.<field>"
 
@@ -99,3 +102,56 @@ def flags_of(parser: argparse.ArgumentParser) -> dict[str, str]:
 def with_given(config, fields: dict[str, Any]):
     """``config`` with the given fields replaced (validated again by the config itself)."""
     return dataclasses.replace(config, **fields) if fields else config
+
+
+# ----- --set SECTION.FIELD=VALUE: any field of a command's configs ------------------------------------------
+def _typed(text: str, annotation: str, where: str):
+    """``text`` as the field's annotated type ("int", "float | None", "tuple[str, ...]", "bool", …)."""
+    kinds = [k.strip() for k in annotation.split("|")]
+    if "None" in kinds and text.strip().lower() in ("none", "null", ""):
+        return None
+    kinds = [k for k in kinds if k != "None"]
+    if kinds == ["bool"]:
+        value = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False}.get(text.lower())
+        if value is None:
+            raise MLXLLMError(f"--set {where}={text}: {text!r} is not a boolean (give true or false)")
+        return value
+    if kinds == ["tuple[str, ...]"]:
+        return parse_list(text)
+    for kind in kinds:
+        try:
+            return {"int": int, "float": float, "str": str}[kind](text)
+        except ValueError:
+            continue
+    what = " or ".join({"int": "an integer", "float": "a number", "str": "a string"}[k] for k in kinds)
+    raise MLXLLMError(f"--set {where}={text}: {text!r} is not {what}")
+
+
+def apply_sets(given: dict[str, dict[str, Any]], sets: list[str] | None, sections: dict) -> dict:
+    """``given`` with each ``--set SECTION.FIELD=VALUE`` added: SECTION names one of the command's configs
+    (``sections``: {name: (given's section, config class)}), FIELD one of its fields (an unknown one lists the
+    close matches), VALUE typed by the field's annotation; the config validates the value when it is built. A
+    field also given by its own flag must have the same value."""
+    out = {section: dict(fields) for section, fields in given.items()}
+    for item in sets or ():
+        target, eq, text = item.partition("=")
+        section, dot, name = target.strip().partition(".")
+        if not (eq and dot and name):
+            raise MLXLLMError(f"--set {item!r} is invalid: give SECTION.FIELD=VALUE, e.g. --set train.lr=1e-3 "
+                              f"(sections: {', '.join(sections)})")
+        if section not in sections:
+            raise MLXLLMError(f"--set {item!r}: this command has no {section!r} settings; its sections are "
+                              f"{', '.join(sections)}")
+        key, cls = sections[section]
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        if name not in fields:
+            close = difflib.get_close_matches(name, fields, n=3)
+            hint = f"did you mean {' or '.join(close)}? " if close else ""
+            raise MLXLLMError(f"--set {target}: {cls.__name__} has no field {name!r}; {hint}valid fields: "
+                              f"{', '.join(fields)}")
+        value = _typed(text.strip(), fields[name].type, target)
+        earlier = out.setdefault(key, {})
+        if name in earlier and earlier[name] != value:
+            raise MLXLLMError(f"--set {target}={text} contradicts the value {earlier[name]!r} given for it elsewhere")
+        earlier[name] = value
+    return out

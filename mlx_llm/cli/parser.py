@@ -12,18 +12,20 @@ import argparse
 from pathlib import Path
 
 from mlx_llm.cli.flags import add_config_flags
-from mlx_llm.config import TrainConfig
+from mlx_llm.config import ModelConfig, TrainConfig
 from mlx_llm.post.tasks import TASKS
 from mlx_llm.recipes import MAIN_JOB_TRAIN, MAIN_JOB_VOCAB, PREF_TRAIN, SFT_TRAIN
-from mlx_llm.runs.configs import DataSpec, DPOConfig, LoRAConfig, RewardConfig, RLConfig, SFTConfig
+from mlx_llm.runs.configs import (DataSpec, DPOConfig, LoRAConfig, RewardConfig, RLConfig, RunOptions, SFTConfig,
+                                  Sizing)
 
 KERNEL_FIELDS = ("attention_impl", "moe_impl", "loss_chunk")
 COMPILE_FIELDS = ("batch_size", "seq_len", "grad_accum", "mesh", "remat", "compute_dtype", "objective",
                   *KERNEL_FIELDS)
 POST_SETTINGS = {"sft": SFTConfig, "reward": RewardConfig, "dpo": DPOConfig, "rl": RLConfig}
 POST_RECIPES = {"sft": SFT_TRAIN, **PREF_TRAIN}
-POST_EXCLUDED = {"sft": ("objective",), "reward": ("objective", "compute_dtype"),
-                 "dpo": ("objective", "compute_dtype"), "rl": ("objective", "compute_dtype", "eval_tokens")}
+POST_EXCLUDED = {"sft": ("objective",), "reward": ("objective", "compute_dtype", "z_loss"),
+                 "dpo": ("objective", "compute_dtype", "z_loss"),
+                 "rl": ("objective", "compute_dtype", "eval_tokens", "z_loss")}
 POST_HELP = {"sft": "fine-tune a run on conversations (full or LoRA)",
              "reward": "train a Bradley–Terry reward model on preference pairs",
              "dpo": "direct preference optimisation of a run on preference pairs",
@@ -35,8 +37,9 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def add_run_flags(p, *, out_required: bool) -> None:
-    """--out, --resume, --from-step, --no-progress: where a training command writes and how it continues."""
+def add_run_flags(p, *, out_required: bool, sections: dict) -> None:
+    """--out, --resume, --from-step, --no-progress: where a training command writes and how it continues; what
+    it reports (``RunOptions``: trackers, profiler, HLO); ``--set`` over ``sections`` ({name: (section, class)})."""
     p.add_argument("--out", type=Path, required=out_required, help="run directory" + (
         "" if out_required else " (default: runs/run-<date>-<time>)"))
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint; "
@@ -45,6 +48,11 @@ def add_run_flags(p, *, out_required: bool) -> None:
     p.add_argument("--from-step", type=int, metavar="N", help="with --resume: continue from checkpoint N, not the "
                    "latest (e.g. when the latest is damaged); later checkpoints are renamed aside, not deleted")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--set", dest="sets", action="append", metavar="SECTION.FIELD=VALUE",
+                   help=f"set any field of the command's configs (repeatable; sections: {', '.join(sections)}), "
+                   f"e.g. --set train.lr=1e-3; validated like the config files")
+    p.set_defaults(sections=sections)
+    add_config_flags(p.add_argument_group("reporting"), RunOptions, "run")
 
 
 def add_train(sub) -> None:
@@ -52,13 +60,22 @@ def add_train(sub) -> None:
     tr.add_argument("--config", type=Path, help="model config.json (default: the main job's model)")
     tr.add_argument("--train-config", type=Path, help="train_config.json under the flags (default: the main job's "
                     "settings)")
-    add_run_flags(tr, out_required=False)
+    add_run_flags(tr, out_required=False, sections={"model": ("model", ModelConfig), "train": ("train", TrainConfig),
+                                                    "data": ("data", DataSpec), "run": ("run", RunOptions),
+                                                    "sizing": ("sizing", Sizing)})
     tr.add_argument("--cache-dir", type=Path, help="token cache (default ~/.cache/mlx_llm)")
     tr.add_argument("--prompt", default="def ", help="prompt of the closing sample (default %(default)r)")
     tr.add_argument("--sample-tokens", type=int, default=200, help="tokens of the closing sample (default "
                     "%(default)s)")
     tr.add_argument("--time-budget", type=float, metavar="SECONDS", help="set --steps to what fits SECONDS of "
                     "training loop on this machine (measured first)")
+    add_config_flags(tr.add_argument_group("sizing by compute (instead of --steps)"), Sizing, "sizing")
+    br = tr.add_argument_group("branching (README, 'Warmup-stable-decay branches')")
+    br.add_argument("--branch-from", type=Path, metavar="RUN", help="start a new run (--out) from checkpoint "
+                    "--branch-step of RUN (parameters and optimizer state), decaying to --steps; every other "
+                    "setting is RUN's")
+    br.add_argument("--branch-step", type=int, metavar="S", help="with --branch-from: the checkpoint to branch at "
+                    "(in the stable phase of RUN's wsd schedule and of the branch's)")
     add_config_flags(tr, TrainConfig, "train", shown=MAIN_JOB_TRAIN)
     add_config_flags(tr.add_argument_group("data"), DataSpec, "data", shown=DataSpec(vocab_size=MAIN_JOB_VOCAB))
     dist = tr.add_argument_group("several processes (README, 'Several machines')")
@@ -75,8 +92,9 @@ def add_post(sub, kind: str) -> None:
     kind cannot honour (``POST_EXCLUDED``)."""
     pp = sub.add_parser(kind, help=POST_HELP[kind])
     pp.add_argument("--base", type=Path, help="the run to start from (pretrained, SFT, DPO, RL, merged or imported)")
-    add_run_flags(pp, out_required=True)
     cls = POST_SETTINGS[kind]
+    add_run_flags(pp, out_required=True, sections={"train": ("train", TrainConfig), kind: ("settings", cls),
+                                                   "lora": ("lora", LoRAConfig), "run": ("run", RunOptions)})
     source = pp.add_mutually_exclusive_group()
     groups = {"data": source, "task": source} if kind != "rl" else {}
     add_config_flags(pp, cls, "settings", groups=groups)

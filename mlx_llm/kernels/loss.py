@@ -53,35 +53,37 @@ def _forward(r_CcD, u_DV, y_Cc):
 
 @jax.custom_vjp
 def _blocked_nll(r_CcD, u_DV, y_Cc):
-    return _forward(r_CcD, u_DV, y_Cc)[0]
+    return _forward(r_CcD, u_DV, y_Cc)
 
 
 def _blocked_fwd(r_CcD, u_DV, y_Cc):
     nll_Cc, lse_Cc = _forward(r_CcD, u_DV, y_Cc)
-    return nll_Cc, (r_CcD, u_DV, y_Cc, lse_Cc)  # the residuals: no logits
+    return (nll_Cc, lse_Cc), (r_CcD, u_DV, y_Cc, lse_Cc)  # the residuals: no logits
 
 
-def _chunk_dlogits(r_cD, u_DV, y_c, lse_c, g_c):
-    """g ⊙ (softmax(Λ_c) − onehot(x)) for one chunk, from the recomputed logits and the saved ℓ (M20 §11)."""
+def _chunk_dlogits(r_cD, u_DV, y_c, lse_c, g_c, g_lse_c):
+    """g ⊙ (softmax(Λ_c) − onehot(x)) + g_ℓ ⊙ softmax(Λ_c) for one chunk (∂ℓ/∂Λ = softmax: the z-loss's path),
+    from the recomputed logits and the saved ℓ (M20 §11)."""
     logits_cV = _chunk_logits(r_cD, u_DV)
     p_cV = jnp.exp(logits_cV - lse_c[:, None])
     onehot_cV = y_c[:, None] == jnp.arange(u_DV.shape[1], dtype=y_c.dtype)[None, :]
-    return (p_cV - onehot_cV.astype(p_cV.dtype)) * g_c[:, None]
+    return p_cV * (g_c + g_lse_c)[:, None] - onehot_cV.astype(p_cV.dtype) * g_c[:, None]
 
 
-def _blocked_bwd(res, g_Cc):
+def _blocked_bwd(res, cotangents):
     r_CcD, u_DV, y_Cc, lse_Cc = res
+    g_Cc, g_lse_Cc = cotangents
     acc = _acc_dtype(r_CcD.dtype)
 
     def step(du_DV, xs):
-        r_cD, y_c, lse_c, g_c = xs
-        dlogits_cV = _chunk_dlogits(r_cD, u_DV, y_c, lse_c, g_c.astype(acc))
+        r_cD, y_c, lse_c, g_c, g_lse_c = xs
+        dlogits_cV = _chunk_dlogits(r_cD, u_DV, y_c, lse_c, g_c.astype(acc), g_lse_c.astype(acc))
         # mixed-dtype products, as JAX transposes dense(…, preferred_element_type=acc): no upcast copy of U
         dr_cD = jax.lax.dot_general(dlogits_cV, u_DV, _COLS, preferred_element_type=acc).astype(r_cD.dtype)
         du_DV = du_DV + jax.lax.dot_general(r_cD, dlogits_cV, _ROWS, preferred_element_type=acc)
         return du_DV, dr_cD
 
-    du_DV, dr_CcD = jax.lax.scan(step, jnp.zeros(u_DV.shape, acc), (r_CcD, y_Cc, lse_Cc, g_Cc))
+    du_DV, dr_CcD = jax.lax.scan(step, jnp.zeros(u_DV.shape, acc), (r_CcD, y_Cc, lse_Cc, g_Cc, g_lse_Cc))
     return dr_CcD, du_DV.astype(u_DV.dtype), None  # integer targets have no cotangent
 
 
@@ -107,6 +109,14 @@ def chunked_token_nll(r_BTD: jax.Array, u_DV: jax.Array, targets_BT: jax.Array, 
     ever exist, forward or backward. The flattened B·T rows are padded up to a whole number of chunks (the
     padded rows get a zero cotangent, so they add nothing to dU) and dealt to the chunks in turn.
     """
+    return chunked_token_nll_lse(r_BTD, u_DV, targets_BT, chunk=chunk)[0]
+
+
+def chunked_token_nll_lse(r_BTD: jax.Array, u_DV: jax.Array, targets_BT: jax.Array, *,
+                          chunk: int) -> tuple[jax.Array, jax.Array]:
+    """(nll, ℓ) of ``chunked_token_nll``, with ℓ_t = logsumexp(Λ_t) differentiable too (PaLM's z-loss
+    penalises ℓ²): both from the same chunks, the backward adding ∂/∂ℓ · softmax(Λ_t) to each chunk's logits
+    gradient."""
     _check(r_BTD, u_DV, targets_BT, chunk)
     lead, d = r_BTD.shape[:-1], r_BTD.shape[-1]
     r_ND = r_BTD.reshape(-1, d)
@@ -120,8 +130,8 @@ def chunked_token_nll(r_BTD: jax.Array, u_DV: jax.Array, targets_BT: jax.Array, 
     # chunks would make the loop walk across devices and XLA gather R onto every device.
     r_CcD = jnp.pad(r_ND, ((0, pad), (0, 0))).reshape(chunk, n_chunks, d).transpose(1, 0, 2)
     y_Cc = jnp.pad(y_N, (0, pad)).reshape(chunk, n_chunks).T
-    nll_N = _blocked_nll(r_CcD, u_DV, y_Cc).T.reshape(-1)[:n]
-    return nll_N.reshape(lead)
+    nll_Cc, lse_Cc = _blocked_nll(r_CcD, u_DV, y_Cc)
+    return tuple(a.T.reshape(-1)[:n].reshape(lead) for a in (nll_Cc, lse_Cc))
 
 
 def choose_chunk(n_rows: int, vocab: int, target_bytes: int = 256 * 2**20) -> int:

@@ -110,7 +110,7 @@ def make_eval(cfg, beta, lora_cfg, frozen, data: pairs_lib.PairData, batch_size:
 def dpo_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, settings: DPOConfig | None = None,
             lora_cfg: lora_lib.LoRAConfig | None = None, resume: bool = False, changes: dict | None = None,
             from_step: int | None = None, show_progress: bool = True, max_seconds: float | None = None,
-            log=print) -> dict:
+            log=print, options=None) -> dict:
     """DPO from ``base_run`` (the policy's start, and the reference unless ``settings.reference`` names another
     run with the same tokenizer and config) on the pairs of ``settings``' data or task; with a task, held-out
     exact match before and after. Everything is checked before the run directory is created; on resume
@@ -147,7 +147,7 @@ def dpo_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, settings
         out = loop.post_fit(run_dir, base.cfg, tcfg, trainable, frozen, update, batch_fn,
                             make_eval(base.cfg, s.beta, lora_cfg, frozen, data_, tcfg.batch_size,
                                       tcfg.eval_tokens or None),
-                            plan=plan, show_progress=show_progress, max_seconds=max_seconds, log=log)
+                            plan=plan, show_progress=show_progress, max_seconds=max_seconds, log=log, options=options)
         summary = out["summary"]
         if s.task is not None:
             params = loop.policy_params(out["state"].params, frozen, lora_cfg)

@@ -153,7 +153,7 @@ def compiled_update(cfg: ModelConfig, tcfg: TrainConfig, objective: Callable, tr
     state = jax.eval_shape(lambda: init_state(cfg, tcfg, optimizer, trainable))
     state_sh, frozen_sh, batch_sh = tree_shardings(state, mesh), tree_shardings(frozen, mesh), batch_sharding(mesh)
     update = on_mesh(make_update(objective, tcfg, optimizer, offsets=offsets, count_name=count_name, epochs=epochs,
-                                 minibatches=minibatches), mesh)
+                                 minibatches=minibatches, n_layers=cfg.n_layers), mesh)
     jitted = jax.jit(update, in_shardings=(state_sh, batch_sh, frozen_sh), out_shardings=(state_sh, replicated(mesh)),
                      donate_argnums=0)
 
@@ -168,11 +168,11 @@ def compiled_update(cfg: ModelConfig, tcfg: TrainConfig, objective: Callable, tr
 
 def post_fit(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, trainable, frozen, update: Callable,
              batch_fn: Callable, evaluate: Callable, *, plan: ResumePlan | None, show_progress: bool,
-             max_seconds: float | None = None, log=print, on_policy: bool = False) -> dict:
+             max_seconds: float | None = None, log=print, on_policy: bool = False, options=None) -> dict:
     """A preference run's ``train.loop.fit``: ``update`` from ``compiled_update``; ``batch_fn(step, trainable) →
     (host batch, host metrics)``; ``evaluate(trainable) → dict``. ``on_policy``: the batch source samples from
     the current parameters (RL), so each step's metrics are read back with its batch. ``plan``: the resume's
-    (None: a new run). Returns ``fit``'s dict."""
+    (None: a new run); ``options``: ``fit``'s (trackers, profiler, HLO dump). Returns ``fit``'s dict."""
     mesh = make_mesh(tcfg.mesh)
     state = place_state(init_state(cfg, tcfg, optimizer_for(tcfg), trainable), mesh)
     frozen = shard_tree(frozen, mesh)
@@ -182,7 +182,8 @@ def post_fit(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, trainable, froz
         batch, host = batch_fn(step, state.params)
         return jax.device_put(batch, batch_sh), host
 
-    job = Job(update, batches, lambda state: evaluate(state.params), frozen=frozen, readback_every_step=on_policy)
+    job = Job(update, batches, lambda state: evaluate(state.params), frozen=frozen, readback_every_step=on_policy,
+              hlo_text=getattr(update, "as_text", None))
     return fit(run_dir, cfg, tcfg, job, state, resume=plan is not None, show_progress=show_progress, log=log,
                max_seconds=max_seconds, from_step=plan.step if plan is not None and plan.from_step else None,
-               on_restored=None if plan is None else lambda: record_resume(run_dir, tcfg, plan))
+               on_restored=None if plan is None else lambda: record_resume(run_dir, tcfg, plan), options=options)

@@ -115,7 +115,7 @@ def make_eval(cfg, lora_cfg, frozen, data: pairs_lib.PairData, batch_size: int, 
 def reward_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, settings: RewardConfig | None = None,
                lora_cfg: lora_lib.LoRAConfig | None = None, resume: bool = False, changes: dict | None = None,
                from_step: int | None = None, show_progress: bool = True, max_seconds: float | None = None,
-               log=print) -> dict:
+               log=print, options=None) -> dict:
     """Train a reward model from ``base_run`` on the pairs of ``settings`` (a data file or a task; with
     ``model_negatives`` the base's own wrong samples are rejected replies); returns held-out preference
     accuracy. On resume everything is read back from the run (``changes``, ``from_step``: ``loop.resume_of``)."""
@@ -147,7 +147,7 @@ def reward_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, setti
             f"held out; {'LoRA' if lora_cfg else 'full'}")
         out = loop.post_fit(run_dir, base.cfg, tcfg, trainable, frozen, update, batch_fn,
                             make_eval(base.cfg, lora_cfg, frozen, data_, tcfg.batch_size, tcfg.eval_tokens or None),
-                            plan=plan, show_progress=show_progress, max_seconds=max_seconds, log=log)
+                            plan=plan, show_progress=show_progress, max_seconds=max_seconds, log=log, options=options)
         return write_summary(run_dir, out["summary"])
 
 

@@ -231,7 +231,7 @@ def _algorithm(base: loop.Base, tcfg: TrainConfig, s: RLConfig, sampler: "Sample
 def rl_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, settings: RLConfig | None = None,
            lora_cfg: lora_lib.LoRAConfig | None = None, resume: bool = False, changes: dict | None = None,
            from_step: int | None = None, show_progress: bool = True, max_seconds: float | None = None,
-           log=print) -> dict:
+           log=print, options=None) -> dict:
     """KL-leashed on-policy RL from ``base_run`` on ``settings.task`` (``tcfg.batch_size`` prompts × ``k`` replies
     per step), rewarded by the task's checker or by ``settings.reward_model`` (a reward run with the policy's
     tokenizer); the reference is the base unless ``settings.reference`` names another run. ``settings.algorithm``:
@@ -276,7 +276,8 @@ def rl_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, settings:
                                                   n=s.eval_examples)["accuracy"]}
 
         out = loop.post_fit(run_dir, base.cfg, tcfg, algo.trainable, frozen, update, algo.batches, evaluate,
-                            plan=plan, show_progress=show_progress, max_seconds=max_seconds, log=log, on_policy=True)
+                            plan=plan, show_progress=show_progress, max_seconds=max_seconds, log=log, on_policy=True,
+                            options=options)
         summary = {**out["summary"],
                    **{key: out["last"].get(key) for key in ("reward", "accuracy", "kl", "response_length")}}
         if before is not None:

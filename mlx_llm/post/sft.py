@@ -143,7 +143,7 @@ def load_data(tok, template: ChatTemplate, seq_len: int, *, data=None, task=None
 def sft_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, settings: SFTConfig | None = None,
             lora_cfg: lora_lib.LoRAConfig | None = None, template: ChatTemplate = ChatTemplate(),
             resume: bool = False, changes: dict | None = None, from_step: int | None = None,
-            show_progress: bool = True, log=print) -> dict:
+            show_progress: bool = True, log=print, options=None) -> dict:
     """Fine-tune ``base_run`` on ``settings``' data or task into ``run_dir`` (or resume it: everything is read
     back from the run); returns the summary, with the held-out task accuracy before (base) and after when a task
     is given. Everything is checked before the run directory is created."""
@@ -177,7 +177,8 @@ def sft_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, settings
                          initial_params=trainable, frozen=base_params if lora_cfg is not None else None,
                          lora_cfg=lora_cfg, from_step=plan.step if plan and plan.from_step else None,
                          schedule_steps=plan and plan.schedule_steps,
-                         on_restored=(lambda: record_resume(run_dir, tcfg, plan)) if plan else None)
+                         on_restored=(lambda: record_resume(run_dir, tcfg, plan)) if plan else None,
+                         options=options)
         summary = {**out["summary"], "trainable_params": n_trainable}
         if s.task is not None:
             after = eval_task(out["params"], cfg, tok, s.task, template, n=s.eval_examples)

@@ -16,6 +16,7 @@ from mlx_llm.errors import ConfigError
 from mlx_llm.layers import layout
 from mlx_llm.post.tasks import TASKS
 from mlx_llm.train.data import DEFAULT_EXTENSIONS, DEFAULT_VAL_PERCENT
+from mlx_llm.train.trackers import check_trackers
 
 TOKENIZERS = ("bpe", "byte")
 LORA_TARGETS = layout.lora_targets()  # the weights LoRA can adapt (layers/layout.py: each one's ``lora_in``)
@@ -243,3 +244,60 @@ class NoSettings(JsonConfig):
 
 KIND_CONFIGS = {"pretrain": NoSettings, "sft": SFTConfig, "reward": RewardConfig, "dpo": DPOConfig,
                 "rl": RLConfig, "merged": NoSettings, "imported": NoSettings}
+
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunOptions(JsonConfig):
+    """What a training run reports besides metrics.jsonl, for every run kind (the loop, ``train.loop.fit``): none
+    of it changes a number, so a resume may give other values. Not stored in the run's configs."""
+
+    tracker: tuple[str, ...] = setting((), "experiment trackers, comma-separated: tensorboard (event files in "
+                                       "RUN/tb/), wandb (honours WANDB_MODE=offline); the same scalars as "
+                                       "metrics.jsonl (default: none)", metavar="NAME,...", show_default=False)
+    profile_steps: str | None = setting(None, "trace N steps from step START with jax.profiler into RUN/profile/ "
+                                        "(TensorBoard's profile plugin or xprof open it)", metavar="START:N")
+    dump_hlo: bool = setting(False, "write the compiled step's HLO text to RUN/hlo/")
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tracker", check_trackers(self.tracker))  # installed, or refused naming the extra
+        self.profile_range()
+        if not isinstance(self.dump_hlo, bool):
+            raise ConfigError(f"RunOptions.dump_hlo = {self.dump_hlo!r} must be true or false")
+
+    def profile_range(self) -> tuple[int, int] | None:
+        """(first traced step, steps traced) of ``profile_steps``, 1-based steps as in metrics.jsonl; or None."""
+        if self.profile_steps is None:
+            return None
+        start, sep, n = str(self.profile_steps).partition(":")
+        if not (sep and start.strip().isdigit() and n.strip().isdigit() and int(start) >= 1 and int(n) >= 1):
+            raise ConfigError(f"--profile-steps {self.profile_steps!r} is invalid: give START:N with START >= 1 the "
+                              f"first step traced and N >= 1 steps, e.g. 3:2")
+        return int(start), int(n)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Sizing(JsonConfig):
+    """A new pretraining run's steps from its compute (``scaling.accounting``) instead of ``--steps``: recorded in
+    run.json (``RunRecord.sizing``) with the steps it gave."""
+
+    target_flops: float | None = setting(None, "set the steps to spend C training FLOPs: C / (exact training "
+                                         "FLOPs per token × tokens per step)", metavar="C")
+    tokens_per_param: float | None = setting(None, "set the steps to read R tokens per parameter of "
+                                             "--param-count (20: Chinchilla's ratio)", metavar="R")
+    param_count: str = setting("non_embedding", "the N of --tokens-per-param: non_embedding, total or active",
+                               choices=("non_embedding", "total", "active"))
+
+    def __post_init__(self) -> None:
+        for name in ("target_flops", "tokens_per_param"):
+            if getattr(self, name) is not None:
+                _check_number(self, name, low=0.0, positive=True)
+        if self.target_flops is not None and self.tokens_per_param is not None:
+            raise ConfigError("give one of --target-flops and --tokens-per-param: each sets the steps")
+        if self.param_count not in ("non_embedding", "total", "active"):
+            raise ConfigError(f"Sizing.param_count = {self.param_count!r} is invalid: valid counts are "
+                              f"['non_embedding', 'total', 'active']")
+
+    @property
+    def active(self) -> bool:
+        return self.target_flops is not None or self.tokens_per_param is not None

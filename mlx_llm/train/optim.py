@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from mlx_llm.config import DECAY_SHAPES, OPTIMIZERS
 from mlx_llm.errors import ConfigError
 from mlx_llm.layers import layout
+from mlx_llm.train import muon  # muon looks optim's names up when called: no import cycle
 
 Schedule = Callable[[jax.Array], jax.Array]
 
@@ -80,12 +82,15 @@ def exclude_routing_state(inner: optax.GradientTransformation) -> optax.Gradient
 
 
 def make_optimizer(learning_rate: float | Schedule, *, b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8,
-                   weight_decay: float = 0.1, clip_norm: float | None = 1.0) -> optax.GradientTransformation:
+                   weight_decay: float = 0.1, clip_norm: float | None = 1.0, kind: str = "adamw",
+                   spike_factor: float | None = None) -> optax.GradientTransformation:
     """M20 §12: g̃ = g·min(1, c/‖g‖₂) over all trainable scalars, then AdamW
     θ_s = (1 − η_s λ) θ_{s−1} − η_s m̂_s / (√v̂_s + ε), with λ on the weight matrices only (``decay_mask``).
 
     Routing state (MoE offsets) is not θ: the chain never sees it (``exclude_routing_state``).
     ``clip_norm=None`` disables clipping. ``learning_rate`` is a float or a schedule of the step count.
+    ``kind`` "muon": Muon on each layer's matrices and AdamW on the rest after the same clipping
+    (train/muon.py); ``spike_factor`` k: ``skip_spikes`` around the whole chain.
     """
     for name, value, ok in (("b1", b1, 0 <= b1 < 1), ("b2", b2, 0 <= b2 < 1), ("eps", eps, eps > 0),
                             ("weight_decay", weight_decay, weight_decay >= 0)):
@@ -94,10 +99,14 @@ def make_optimizer(learning_rate: float | Schedule, *, b1: float = 0.9, b2: floa
                               f"weight_decay >= 0)")
     if clip_norm is not None and not clip_norm > 0:
         raise ConfigError(f"make_optimizer: clip_norm = {clip_norm!r} is invalid: it must be > 0 or None")
-    adamw = optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask)
-    if clip_norm is None:
-        return exclude_routing_state(adamw)
-    return exclude_routing_state(optax.chain(optax.clip_by_global_norm(clip_norm), adamw))
+    if kind not in OPTIMIZERS:
+        raise ConfigError(f"make_optimizer: kind = {kind!r} is invalid: valid optimizers are {list(OPTIMIZERS)}")
+    if kind == "muon":
+        update = muon.muon_update(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+    else:
+        update = optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask)
+    chain = update if clip_norm is None else optax.chain(optax.clip_by_global_norm(clip_norm), update)
+    return exclude_routing_state(chain if spike_factor is None else skip_spikes(chain, spike_factor))
 
 
 def warmup_cosine(peak: float, warmup_steps: int, total_steps: int, final_fraction: float = 0.1) -> Schedule:
@@ -125,3 +134,85 @@ def warmup_cosine(peak: float, warmup_steps: int, total_steps: int, final_fracti
         return jnp.where(s < warmup_steps, warm, cosine)
 
     return schedule
+
+
+def wsd_decay_steps(total_steps: int, decay_fraction: float) -> int:
+    """D of a warmup-stable-decay schedule of ``total_steps``: round(F·S), at least 1 (``TrainConfig.decay_steps``)."""
+    return max(1, round(decay_fraction * total_steps))
+
+
+def warmup_stable_decay(peak: float, warmup_steps: int, total_steps: int, decay_fraction: float = 0.2,
+                        final_fraction: float = 0.1, shape: str = "1-sqrt") -> Schedule:
+    """Warmup-stable-decay (Hägele et al. 2024, "Scaling laws and compute-optimal training beyond fixed training
+    durations"): η for update number s = 0, 1, 2, … with D = ``wsd_decay_steps(S, F)`` decay steps:
+
+    - warmup, s < W:            η = peak·(s + 1)/W   (as ``warmup_cosine``)
+    - stable, W ≤ s < S − D:    η = peak
+    - decay, s ≥ S − D:         p = min((s − S + D)/D, 1);  η = peak·[f + (1 − f)·(1 − √p)]  ("1-sqrt", the
+                                shape Hägele et al. found best) or peak·[f + (1 − f)·(1 − p)] ("linear")
+
+    The stable phase does not depend on S, so a run branched off at a step before its decay and decayed to
+    another S follows the same lr up to the branch point (``--branch-from``).
+    """
+    warmup_cosine(peak, warmup_steps, total_steps, final_fraction)  # the same checks of the shared arguments
+    if isinstance(decay_fraction, bool) or not isinstance(decay_fraction, (int, float)) or not 0 < decay_fraction < 1:
+        raise ConfigError(f"warmup_stable_decay: decay_fraction = {decay_fraction!r} must be in (0, 1)")
+    if shape not in DECAY_SHAPES:
+        raise ConfigError(f"warmup_stable_decay: shape = {shape!r} is invalid: valid shapes are {list(DECAY_SHAPES)}")
+    decay = wsd_decay_steps(total_steps, decay_fraction)
+    if warmup_steps + decay > total_steps:
+        raise ConfigError(f"warmup_stable_decay: warmup_steps = {warmup_steps} + decay steps {decay} (decay_fraction "
+                          f"{decay_fraction:g} of {total_steps}) exceed total_steps = {total_steps}")
+    start = total_steps - decay
+
+    def schedule(count):
+        s = jnp.asarray(count).astype(jnp.result_type(float))
+        warm = peak * (s + 1) / max(warmup_steps, 1)
+        p = jnp.clip((s - start) / decay, 0.0, 1.0)
+        falloff = jnp.sqrt(p) if shape == "1-sqrt" else p
+        decayed = peak * (final_fraction + (1 - final_fraction) * (1 - falloff))
+        return jnp.where(s < warmup_steps, warm, jnp.where(s < start, peak, decayed))
+
+    return schedule
+
+
+class SpikeState(NamedTuple):
+    """``skip_spikes``' state beside the inner optimizer's: the running mean of accepted gradient norms (an EMA,
+    bias-corrected by ``accepted``) and the count of skipped updates."""
+
+    inner: Any
+    norm_ema: jax.Array
+    accepted: jax.Array
+    skipped: jax.Array
+
+
+SPIKE_EMA = 0.99  # the running mean's decay: about the last 100 accepted updates
+SPIKE_WARMUP = 10  # accepted updates before any can be skipped: the mean needs a few samples first
+
+
+def skip_spikes(inner: optax.GradientTransformation, factor: float) -> optax.GradientTransformation:
+    """Skip an update whose gradient norm ‖g‖ exceeds ``factor`` × the running mean of earlier accepted norms:
+    its update is zero (no step, no weight decay) and ``inner``'s state (the moments) is left as it was, as
+    though the batch had not been drawn (the data cursor still moves on). The first ``SPIKE_WARMUP`` updates are
+    never skipped. A non-finite norm is not skipped: the training loop's divergence check reports it. The
+    norm is over θ's gradients as the caller gives them (before clipping: the same number as the ``grad_norm``
+    metric). ``SpikeState.skipped`` counts the skipped updates (the ``spikes_skipped`` metric)."""
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (math.isfinite(factor) and factor > 1):
+        raise ConfigError(f"skip_spikes: factor = {factor!r} is invalid: it must be a finite number > 1")
+
+    def init(params):
+        zero = jnp.zeros((), jnp.float32)
+        return SpikeState(inner.init(params), zero, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
+
+    def update(updates, state, params=None):
+        norm = optax.tree.norm(strip_routing_state(updates)).astype(jnp.float32)
+        mean = state.norm_ema / (1 - SPIKE_EMA ** jnp.maximum(state.accepted, 1).astype(jnp.float32))
+        spike = (state.accepted >= SPIKE_WARMUP) & (norm > factor * mean)
+        new_updates, new_inner = inner.update(updates, state.inner, params)
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(spike, o, n), new, old)  # noqa: E731
+        new_updates = jax.tree.map(lambda u: jnp.where(spike, jnp.zeros_like(u), u), new_updates)
+        ema = jnp.where(spike, state.norm_ema, SPIKE_EMA * state.norm_ema + (1 - SPIKE_EMA) * norm)
+        return new_updates, SpikeState(keep(new_inner, state.inner), ema, state.accepted + (~spike).astype(jnp.int32),
+                                       state.skipped + spike.astype(jnp.int32))
+
+    return optax.GradientTransformation(init, update)

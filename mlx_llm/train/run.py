@@ -18,8 +18,9 @@ import numpy as np
 from mlx_llm.train import data as data_lib
 from mlx_llm.post import lora as lora_lib
 from mlx_llm.train import tokenizer as tok_lib
-from mlx_llm.scaling.accounting import train_flops_per_token
-from mlx_llm.runs.configs import DataSpec
+from mlx_llm.scaling.accounting import param_count, steps_for_flops, steps_for_tokens_per_param, train_flops_per_token
+from mlx_llm.runs.branch import Branch, branch_configs, start_branch
+from mlx_llm.runs.configs import DataSpec, Sizing
 from mlx_llm.runs.load import checkpoint_step, load_params
 from mlx_llm.runs.record import RunRecord, open_run, write_run
 from mlx_llm.runs.resume import RESUME_MAY_CHANGE, plan_resume, record_resume, schedule_config
@@ -94,16 +95,16 @@ def lm_job(cfg: ModelConfig, tcfg: TrainConfig, corpus, mesh, *, frozen=None, lo
 
     update = step_fn if lora_cfg is not None else (lambda state, batch, _: step_fn(state, batch))
     return Job(update, batches, val, frozen=base, describe=describe, tokens_per_step=tcfg.batch_size * tcfg.seq_len,
-               flops_per_token=train_flops_per_token(cfg, tcfg.seq_len))
+               flops_per_token=train_flops_per_token(cfg, tcfg.seq_len), hlo_text=step_fn.as_text)
 
 
 def train_loop(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, corpus, *, resume: bool, show_progress: bool,
                log=print, initial_params=None, frozen=None, lora_cfg=None, from_step: int | None = None,
-               schedule_steps: int | None = None, on_restored=None) -> dict:
+               schedule_steps: int | None = None, on_restored=None, options=None) -> dict:
     """A language-model run's ``loop.fit``: ``initial_params`` start a fine-tuning run (instead of a random
     init); with ``lora_cfg`` they are the adapters over the frozen base ``frozen``. A resume restores the latest
     checkpoint, or ``from_step``; ``schedule_steps``: see ``runs.resume.schedule_config``; ``on_restored``: see
-    ``loop.fit``. Returns {"state",
+    ``loop.fit``; ``options``: ``fit``'s (trackers, profiler, HLO dump). Returns {"state",
     "summary", "params" (the model's parameters: the base with the adapters folded in, for LoRA)}."""
     mesh = make_mesh(tcfg.mesh)
     check_batch_divisible(tcfg.batch_size, tcfg.grad_accum, mesh)
@@ -111,7 +112,7 @@ def train_loop(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, corpus, *, re
     state = place_state(init_state(cfg, tcfg, optimizer, initial_params), mesh)
     job = lm_job(cfg, tcfg, corpus, mesh, frozen=frozen, lora_cfg=lora_cfg, schedule_steps=schedule_steps)
     out = fit(run_dir, cfg, tcfg, job, state, resume=resume, show_progress=show_progress, log=log,
-              from_step=from_step, on_restored=on_restored)
+              from_step=from_step, on_restored=on_restored, options=options)
     state = out["state"]
     params = state.params if lora_cfg is None else lora_lib.merge(job.frozen, state.params, lora_cfg)
     summary = {**out["summary"], "steps": tcfg.steps, "devices": mesh.devices.size}
@@ -184,9 +185,34 @@ def fit_time_budget(cfg: ModelConfig, tcfg: TrainConfig, corpus, seconds: float,
     per_step = seconds_per_step(cfg, tcfg, corpus)
     steps = agree(max(1, int(seconds / per_step)))  # process 0's measurement decides for every process
     log(f"time budget {seconds:g} s at {per_step * 1e3:.0f} ms/step: {steps} steps")
+    return with_steps(tcfg, steps)
+
+
+def with_steps(tcfg: TrainConfig, steps: int) -> TrainConfig:
+    """``tcfg`` with ``steps`` steps, warmup and intervals capped to them (a sized run)."""
     return dataclasses.replace(tcfg, steps=steps, warmup_steps=min(tcfg.warmup_steps, max(steps - 1, 0)),
                                eval_interval=min(tcfg.eval_interval, steps),
                                checkpoint_interval=min(tcfg.checkpoint_interval, steps))
+
+
+def size_run(cfg: ModelConfig, tcfg: TrainConfig, sizing: Sizing, log=print) -> tuple[TrainConfig, dict]:
+    """(``tcfg`` with the steps ``sizing`` gives, what was chosen for run.json's provenance): ``--target-flops``
+    C → C / (F·B·T) with F the exact training FLOPs per token (``accounting.steps_for_flops``), or
+    ``--tokens-per-param`` R → R·N / (B·T). The same steps on every machine."""
+    flops = train_flops_per_token(cfg, tcfg.seq_len)
+    tokens = tcfg.batch_size * tcfg.seq_len
+    if sizing.target_flops is not None:
+        steps = steps_for_flops(cfg, tcfg.seq_len, tcfg.batch_size, sizing.target_flops)
+        why = f"--target-flops {sizing.target_flops:.4g} at {flops:.4g} FLOPs/token × {tokens:,} tokens/step"
+    else:
+        n = param_count(cfg, sizing.param_count)
+        steps = steps_for_tokens_per_param(cfg, tcfg.seq_len, tcfg.batch_size, sizing.tokens_per_param,
+                                           sizing.param_count)
+        why = f"--tokens-per-param {sizing.tokens_per_param:g} × {n:,} {sizing.param_count} parameters / {tokens:,} tokens/step"
+    sized = with_steps(tcfg, steps)
+    log(f"{why}: {steps:,} steps ({steps * tokens * flops:.4g} training FLOPs, {steps * tokens:,} tokens)")
+    return sized, {"sizing": {**sizing.to_dict(), "steps": steps, "flops_per_token": flops,
+                              "tokens_per_step": tokens, "training_flops": steps * tokens * flops}}
 
 
 def describe(cfg: ModelConfig, corpus, log) -> None:
@@ -203,7 +229,8 @@ def describe(cfg: ModelConfig, corpus, log) -> None:
 def train_run(run_dir, cfg: ModelConfig | None, tcfg: TrainConfig | None, spec: DataSpec | None, *,
               resume: bool = False, show_progress: bool = True, cache_dir=None, sample_prompt: str = "def ",
               sample_tokens: int = 200, time_budget: float | None = None, log=print, changes: dict | None = None,
-              from_step: int | None = None) -> dict:
+              from_step: int | None = None, options=None, sizing: Sizing | None = None,
+              branch: Branch | None = None) -> dict:
     """Train (or resume) the run in ``run_dir``; returns the summary dict also written to summary.json.
 
     Everything that can be checked (paths, lock, corpus, tokenizer, configs, the checkpoint to restore, device
@@ -211,8 +238,10 @@ def train_run(run_dir, cfg: ModelConfig | None, tcfg: TrainConfig | None, spec: 
     run then holds the directory's lock to its end. On resume, ``changes`` sets fields of ``RESUME_MAY_CHANGE``
     (``{"steps": N}`` extends a run, see ``schedule_config``) and ``from_step`` continues from that checkpoint
     instead of the latest (one after it is damaged, say); the checkpoints after it are set aside, not deleted.
+    ``sizing`` sets a new run's steps from its compute (``size_run``); ``branch`` starts a new run from a
+    checkpoint of a wsd run, with that run's settings (runs/branch.py); ``options``: ``loop.fit``'s.
     """
-    run_dir, plan, main = Path(run_dir), None, is_main_process()
+    run_dir, plan, main, provenance, parent = Path(run_dir), None, is_main_process(), {}, None
     if not main:  # every process computes the same; process 0 alone reports and writes
         log, show_progress = (lambda *a, **k: None), False
     check_run_dir(run_dir, resume)
@@ -221,8 +250,17 @@ def train_run(run_dir, cfg: ModelConfig | None, tcfg: TrainConfig | None, spec: 
     if resume:
         cfg, tcfg, spec = check_same_run(run_dir, cfg, tcfg, spec, changes)
         plan = plan_resume(run_dir, tcfg, from_step)
-    tok, text = read_text_and_tokenizer(run_dir, spec, cache_dir, tcfg.objective)
+    elif branch is not None:
+        parent, tcfg = branch_configs(branch)
+        cfg, spec, provenance = parent.cfg, parent.record.data, {"branch": {"run": str(parent.path),
+                                                                            "step": branch.step}}
+    tok, text = read_text_and_tokenizer(parent.path if parent else run_dir, spec, cache_dir, tcfg.objective)
     cfg = finalize_config(cfg, tok, tcfg)
+    if sizing is not None:
+        if resume or branch is not None:
+            raise ConfigError("--target-flops / --tokens-per-param size a new run; a resumed or branched run keeps "
+                              "its settings")
+        tcfg, provenance = size_run(cfg, tcfg, sizing, log)
     check_batch_divisible(tcfg.batch_size, tcfg.grad_accum, make_mesh(tcfg.mesh))
     check_fits(cfg, schedule_config(tcfg, plan.schedule_steps if plan else None), mask_id=tok.mask_id)
     if not main:
@@ -239,13 +277,19 @@ def train_run(run_dir, cfg: ModelConfig | None, tcfg: TrainConfig | None, spec: 
         if resume and main:  # again under the lock: another run may have changed the directory since
             plan = plan_resume(run_dir, check_same_run(run_dir, None, tcfg, None)[1], from_step)
         elif main:
-            write_run(run_dir, cfg, tcfg, RunRecord(kind="pretrain", data=spec))
+            write_run(run_dir, cfg, tcfg, RunRecord(kind="pretrain", data=spec, provenance=provenance))
             tok.save(run_dir)
+            if branch is not None:
+                start_branch(run_dir, branch, parent)
+                log(f"branch of {parent.path} at step {branch.step}, decaying to {tcfg.steps} steps")
+        sync("started")
         describe(cfg, corpus, log)
-        out = train_loop(run_dir, cfg, tcfg, corpus, resume=resume, show_progress=show_progress, log=log,
+        out = train_loop(run_dir, cfg, tcfg, corpus, resume=resume or branch is not None, show_progress=show_progress,
+                         log=log,
                          from_step=plan.step if plan and plan.from_step else None,
                          schedule_steps=plan.schedule_steps if plan else None,
-                         on_restored=(lambda: record_resume(run_dir, tcfg, plan)) if resume and main else None)
+                         on_restored=(lambda: record_resume(run_dir, tcfg, plan)) if resume and main else None,
+                         options=options)
         summary = {**out["summary"], "unigram_val_bpb": corpus.unigram_bits_per_byte()}
         params = gather_to_host(out["state"].params)  # whole arrays in every process: the decoder is local
         if main:

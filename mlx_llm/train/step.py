@@ -25,7 +25,9 @@ from mlx_llm.objectives.loss import bits_per_byte, perplexity
 from mlx_llm.model import hidden_states, init_params, logits_from_hidden, nll_from_hidden, resolved
 from mlx_llm.layers.moe import apply_offset_rule
 from mlx_llm.post import lora as lora_lib
-from mlx_llm.train.optim import make_optimizer, strip_routing_state, warmup_cosine
+from mlx_llm.train import watch
+from mlx_llm.train.optim import (SpikeState, make_optimizer, strip_routing_state, warmup_cosine,
+                                  warmup_stable_decay)
 from mlx_llm.train.parallel import batch_sharding, global_batch, local_rows, replicated, tree_shardings
 
 BATCH_KEYS = ("tokens", "targets", "mask", "segment_ids", "positions")
@@ -46,16 +48,22 @@ class TrainState:
 
 
 def schedule_for(tcfg: TrainConfig):
+    """The run's learning-rate schedule of the update count: ``warmup_cosine`` or ``warmup_stable_decay``."""
+    if tcfg.schedule == "wsd":
+        return warmup_stable_decay(tcfg.lr, tcfg.warmup_steps, tcfg.steps, tcfg.decay_fraction,
+                                   tcfg.final_lr_fraction, tcfg.decay_shape)
     return warmup_cosine(tcfg.lr, tcfg.warmup_steps, tcfg.steps, tcfg.final_lr_fraction)
 
 
 def optimizer_for(tcfg: TrainConfig, updates_per_step: int = 1) -> optax.GradientTransformation:
-    """The run's AdamW chain; with ``updates_per_step`` optimizer updates per training step (PPO's epochs ×
-    minibatches), the learning rate follows the schedule of the step, constant within it."""
+    """The run's optimizer chain (AdamW or Muon, ``--skip-spikes`` around it); with ``updates_per_step``
+    optimizer updates per training step (PPO's epochs × minibatches), the learning rate follows the schedule of
+    the step, constant within it."""
     schedule = schedule_for(tcfg)
     if updates_per_step != 1:
         schedule = (lambda base, n: lambda count: base(count // n))(schedule, updates_per_step)
-    return make_optimizer(schedule, b1=tcfg.b1, b2=tcfg.b2, weight_decay=tcfg.weight_decay, clip_norm=tcfg.clip_norm)
+    return make_optimizer(schedule, b1=tcfg.b1, b2=tcfg.b2, weight_decay=tcfg.weight_decay, clip_norm=tcfg.clip_norm,
+                          kind=tcfg.optimizer, spike_factor=tcfg.spike_factor if tcfg.skip_spikes else None)
 
 
 def init_state(cfg: ModelConfig, tcfg: TrainConfig, optimizer: optax.GradientTransformation,
@@ -73,19 +81,27 @@ def cast_params(params, dtype):
     return jax.tree.map(lambda p: p.astype(dtype), params)
 
 
-def summed_loss_and_aux(params, batch, cfg: ModelConfig, compute_dtype, remat: str = "none", kernels=None):
+def summed_loss_and_aux(params, batch, cfg: ModelConfig, compute_dtype, remat: str = "none", kernels=None,
+                        z_loss: float = 0.0):
     """(Σ_t b_t · −log p(x_t | x_<t), (Σ_t b_t, aux)) of one (micro-)batch; logits and loss in float32.
 
     aux holds the MoE expert loads (assignments per expert, stacked like the blocks) of this batch. ``kernels``:
     the execution paths (default the reference ones), the loss chunked as ``kernels.loss_chunk`` says.
+    ``z_loss`` W > 0 adds PaLM's auxiliary W·(log Z_t)² per target (Chowdhery et al. 2022, §5: it keeps the
+    softmax normaliser near 1 for stability) to the sum, and aux becomes (loads, Σ_t b_t·W·(log Z_t)²).
     """
     kernels = resolved(kernels)
     p = cast_params(params, compute_dtype)
     h_BTD, aux = hidden_states(p, batch["tokens"], cfg, positions_BT=batch["positions"],
                                segment_ids_BT=batch["segment_ids"], return_aux=True, remat=remat, kernels=kernels)
-    nll_BT = nll_from_hidden(h_BTD, batch["targets"], p, cfg, kernels.loss_chunk)
+    if not z_loss:
+        nll_BT = nll_from_hidden(h_BTD, batch["targets"], p, cfg, kernels.loss_chunk)
+        b_BT = batch["mask"].astype(nll_BT.dtype)
+        return jnp.sum(b_BT * nll_BT), (jnp.sum(b_BT), aux)
+    nll_BT, lse_BT = nll_from_hidden(h_BTD, batch["targets"], p, cfg, kernels.loss_chunk, return_lse=True)
     b_BT = batch["mask"].astype(nll_BT.dtype)
-    return jnp.sum(b_BT * nll_BT), (jnp.sum(b_BT), aux)
+    z_sum = z_loss * jnp.sum(b_BT * jnp.square(lse_BT))
+    return jnp.sum(b_BT * nll_BT) + z_sum, (jnp.sum(b_BT), (aux, z_sum))
 
 
 def summed_nelbo_and_aux(params, batch, key, cfg: ModelConfig, compute_dtype, mask_id: int, remat: str = "none",
@@ -110,7 +126,7 @@ def objective_fn(cfg: ModelConfig, tcfg: TrainConfig, compute_dtype, mask_id, pl
     if tcfg.objective == "diffusion":
         diffusion.check_mask_id(mask_id, cfg.vocab_size)
         return lambda p, mb, key: summed_nelbo_and_aux(p, mb, key, cfg, compute_dtype, mask_id, tcfg.remat, kernels)
-    return lambda p, mb, key: summed_loss_and_aux(p, mb, cfg, compute_dtype, tcfg.remat, kernels)
+    return lambda p, mb, key: summed_loss_and_aux(p, mb, cfg, compute_dtype, tcfg.remat, kernels, tcfg.z_loss)
 
 
 def summed_loss(params, batch, cfg: ModelConfig, compute_dtype) -> tuple[jax.Array, jax.Array]:
@@ -129,8 +145,11 @@ def lm_objective(cfg: ModelConfig, tcfg: TrainConfig, mask_id: int | None = None
 
     def fn(trainable, frozen, mb, key):
         params = trainable if lora_cfg is None else lora_lib.adapted(frozen, trainable, lora_cfg)
-        loss_sum, (n, load) = objective(params, mb, key)
-        return loss_sum, (n, load, {})
+        loss_sum, (n, aux) = objective(params, mb, key)
+        if tcfg.z_loss:
+            load, z_sum = aux
+            return loss_sum, (n, load, {"z_loss": z_sum})
+        return loss_sum, (n, aux, {})
 
     return fn
 
@@ -151,7 +170,7 @@ def moe_offsets(cfg: ModelConfig, path: tuple[str, ...] = ()) -> Callable | None
 
 def make_update(objective: Callable, tcfg: TrainConfig, optimizer: optax.GradientTransformation, *,
                 offsets: Callable | None = None, count_name: str = "targets", epochs: int = 1,
-                minibatches: int = 1) -> Callable:
+                minibatches: int = 1, n_layers: int | None = None) -> Callable:
     """(state, batch, frozen) → (state, metrics): the one training step of every run kind; not jitted here.
 
     ``objective(trainable, frozen, micro-batch, key) → (Σ loss, (count, expert load, {name: Σ metric}))`` sums
@@ -164,9 +183,16 @@ def make_update(objective: Callable, tcfg: TrainConfig, optimizer: optax.Gradien
     With ``epochs`` × ``minibatches`` > 1 (PPO, post/ppo.py) the step makes that many optimizer updates on the
     one batch: each epoch visits the rows in a fresh permutation (drawn from the step's key), split into
     ``minibatches`` equal minibatches; the metrics are the mean over the updates. The state's step counts steps.
+
+    With ``tcfg.watch_interval`` N > 0 (the model's ``n_layers`` given), every N-th step's metrics also hold
+    ``watch``: the per-layer RMS of the parameters after the update, of the gradients and of the updates
+    (train/watch.py), computed here from the stacked layer axis (no extra transfer; other steps skip the
+    reductions and carry zeros). With ``--skip-spikes`` they hold ``spikes_skipped``, the run's count so far.
     """
     grad_fn = jax.value_and_grad(objective, has_aux=True)
     schedule = schedule_for(tcfg)
+    if tcfg.watch_interval and n_layers is None:
+        raise ValueError("make_update: watch_interval needs the model's n_layers")
 
     def accumulate(params, frozen, batch, key):
         if tcfg.grad_accum == 1:
@@ -182,7 +208,7 @@ def make_update(objective: Callable, tcfg: TrainConfig, optimizer: optax.Gradien
         zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
         return jax.lax.scan(body, zeros, (micro, jnp.arange(tcfg.grad_accum)))[0]
 
-    def one_update(params, opt_state, frozen, batch, key):
+    def one_update(params, opt_state, frozen, batch, key, watching):
         (loss_sum, (n, load, sums)), grads = accumulate(params, frozen, batch, key)
         grads = jax.tree.map(lambda g: g / n, grads)
         updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -191,14 +217,20 @@ def make_update(objective: Callable, tcfg: TrainConfig, optimizer: optax.Gradien
             params = offsets(params, load)
         metrics = {"loss": loss_sum / n, "grad_norm": optax.tree.norm(strip_routing_state(grads)), count_name: n,
                    "expert_load": load, **{name: total / n for name, total in sums.items()}}
+        if isinstance(opt_state, SpikeState):
+            metrics["spikes_skipped"] = opt_state.skipped
+        if tcfg.watch_interval:
+            metrics["watch"] = _watched(watching, params, grads, updates, n_layers)
         return params, opt_state, metrics
 
     def update(state: TrainState, batch, frozen):
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+        watching = (state.step + 1) % max(tcfg.watch_interval, 1) == 0
         if epochs * minibatches == 1:
-            params, opt_state, metrics = one_update(state.params, state.opt_state, frozen, batch, key)
+            params, opt_state, metrics = one_update(state.params, state.opt_state, frozen, batch, key, watching)
         else:
-            params, opt_state, metrics = _several_updates(one_update, state, frozen, batch, key, epochs, minibatches)
+            params, opt_state, metrics = _several_updates(functools.partial(one_update, watching=watching), state,
+                                                          frozen, batch, key, epochs, minibatches)
         new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, data_step=state.data_step + 1)
         loss, grad_norm = metrics.pop("loss"), metrics.pop("grad_norm")
         return new, {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step), **metrics}
@@ -223,8 +255,15 @@ def _several_updates(one_update: Callable, state: TrainState, frozen, batch, key
     (params, opt_state), per_update = jax.lax.scan(body, (state.params, state.opt_state),
                                                    (order, jnp.arange(epochs * minibatches)))
     load = per_update.pop("expert_load")
-    metrics = {name: jnp.mean(value) for name, value in per_update.items()}
-    return params, opt_state, {**metrics, "expert_load": jax.tree.map(lambda a: jnp.sum(a, axis=0), load)}
+    last = {name: per_update.pop(name)[-1] for name in ("spikes_skipped",) if name in per_update}
+    metrics = {name: jax.tree.map(lambda a: jnp.mean(a, axis=0), value) for name, value in per_update.items()}
+    return params, opt_state, {**metrics, **last, "expert_load": jax.tree.map(lambda a: jnp.sum(a, axis=0), load)}
+
+
+def _watched(watching, params, grads, updates, n_layers: int) -> dict:
+    """``watch.watch_stats`` on a step that is watched, the same shapes of zeros on the others (no reductions)."""
+    stats = lambda: watch.watch_stats(params, grads, updates, n_layers)  # noqa: E731
+    return jax.lax.cond(watching, stats, lambda: jax.tree.map(jnp.zeros_like, jax.eval_shape(stats)))
 
 
 def make_train_step(cfg: ModelConfig, tcfg: TrainConfig, optimizer: optax.GradientTransformation,
@@ -234,7 +273,7 @@ def make_train_step(cfg: ModelConfig, tcfg: TrainConfig, optimizer: optax.Gradie
     offsets follow the control rule unless LoRA freezes them with the base. ``platform`` ("cpu", "gpu", "tpu")
     resolves the "auto" execution paths (default: the default backend)."""
     update = make_update(lm_objective(cfg, tcfg, mask_id, lora_cfg, platform), tcfg, optimizer,
-                         offsets=moe_offsets(cfg) if lora_cfg is None else None)
+                         offsets=moe_offsets(cfg) if lora_cfg is None else None, n_layers=cfg.n_layers)
     if lora_cfg is None:
         return lambda state, batch: update(state, batch, None)
     return update
