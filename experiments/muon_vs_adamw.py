@@ -1,5 +1,6 @@
 """Muon against AdamW at equal steps on the main job's settings (default corpus, the main job's model, 700
-steps of 32 × 128 tokens, warmup-cosine), reported as measured.
+steps of 32 × 128 tokens), with the warmup-cosine schedule the main job had when this was first run, reported
+as measured.
 
 Muon (``--optimizer muon``, train/muon.py): Newton–Schulz orthogonalised Nesterov momentum on every layer's
 matrices, scaled to AdamW's update RMS (0.2·√max(fan_in, fan_out), Liu et al. 2025) so the same learning rate
@@ -10,6 +11,7 @@ are extra matmuls), and the loss at a few steps. Every run is a normal run direc
 
     python -m experiments.muon_vs_adamw --out runs/muon            # ≈ 15 min on 2 cores
     python -m experiments.muon_vs_adamw --out /tmp/m --quick       # 20 tiny steps (a smoke run)
+    python -m experiments.muon_vs_adamw --out /tmp/m --timing-only # the two steps timed interleaved (≈ 1 min)
 """
 
 from __future__ import annotations
@@ -22,13 +24,36 @@ from pathlib import Path
 from experiments import common
 from mlx_llm.recipes import MAIN_JOB_MODEL, MAIN_JOB_TRAIN, MAIN_JOB_VOCAB
 from mlx_llm.runs.configs import DataSpec
-from mlx_llm.train.run import train_run
+from mlx_llm.train import data as data_lib
+from mlx_llm.train.parallel import make_mesh
+from mlx_llm.train.run import read_text_and_tokenizer, train_run
+from mlx_llm.train.step import device_batch, init_state, jit_train_step, optimizer_for, place_state
 
 
 def losses_at(run_dir: Path, steps) -> dict:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     by_step = {r["step"]: r["loss"] for r in rows if "loss" in r}
     return {s: by_step.get(s) for s in steps}
+
+
+def interleaved_step_times(base, lrs, rounds: int, run_dir: Path, cache_dir=None) -> dict:
+    """Median seconds of one compiled training step of each optimizer on the main job's first batch (with
+    ``run_dir``'s tokenizer when it has one), the candidates taking turns round by round
+    (``common.time_interleaved``), so a change of load hits all alike."""
+    spec = DataSpec(vocab_size=MAIN_JOB_VOCAB)
+    tok, text = read_text_and_tokenizer(run_dir, spec, cache_dir)
+    corpus = data_lib.encode_corpus(text, tok, cache_dir)
+    cfg = dataclasses.replace(MAIN_JOB_MODEL, vocab_size=tok.vocab_size)
+    mesh = make_mesh(base.mesh)
+    batch = device_batch(corpus.train_batch(0, batch_size=base.batch_size, seq_len=base.seq_len, seed=base.seed),
+                         mesh, base.batch_size)
+    steps = {}
+    for optimizer in ("adamw", "muon"):
+        tcfg = dataclasses.replace(base, optimizer=optimizer, lr=lrs[optimizer])
+        state = place_state(init_state(cfg, tcfg, optimizer_for(tcfg)), mesh)
+        steps[optimizer] = common.carry(jit_train_step(cfg, tcfg, mesh, tok.mask_id), state, batch)
+    times = common.time_interleaved(steps, warmup=2, rounds=rounds)
+    return {"seconds": times, "muon_vs_adamw": times["muon"] / times["adamw"], "rounds": rounds}
 
 
 def main(argv=None) -> int:
@@ -38,9 +63,20 @@ def main(argv=None) -> int:
     ap.add_argument("--data", help="corpus (default: the Python standard library)")
     ap.add_argument("--cache-dir", type=Path)
     ap.add_argument("--quick", action="store_true", help="20 steps of tiny batches (a smoke run)")
+    ap.add_argument("--timing-only", action="store_true", help="only the interleaved step timing (results file "
+                    "muon_step_time unless --save)")
+    ap.add_argument("--rounds", type=int, default=15, help="interleaved timing rounds")
     common.add_save_argument(ap, "muon_vs_adamw")
     args = ap.parse_args(argv)
-    base = dataclasses.replace(MAIN_JOB_TRAIN, log_interval=25, eval_interval=MAIN_JOB_TRAIN.steps)
+    if args.timing_only:
+        base = dataclasses.replace(MAIN_JOB_TRAIN, schedule="cosine")
+        result = interleaved_step_times(base, {"adamw": base.lr, "muon": base.lr}, args.rounds,
+                                        args.out / f"adamw-lr{base.lr:g}", args.cache_dir)
+        print(f"step: adamw {result['seconds']['adamw'] * 1e3:.0f} ms, muon {result['seconds']['muon'] * 1e3:.0f} ms "
+              f"({result['muon_vs_adamw']:.3f}×)")
+        common.save_result(args.save or "muon_step_time", result)
+        return 0
+    base = dataclasses.replace(MAIN_JOB_TRAIN, schedule="cosine", log_interval=25, eval_interval=MAIN_JOB_TRAIN.steps)
     if args.quick:
         base = dataclasses.replace(base, steps=20, batch_size=4, seq_len=32, warmup_steps=2, eval_tokens=512,
                                    eval_interval=20, checkpoint_interval=20, log_interval=5)

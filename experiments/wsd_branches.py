@@ -2,13 +2,13 @@
 researcher's workflow; Hägele et al. 2024, "Scaling laws and compute-optimal training beyond fixed training
 durations").
 
-One WSD run of the largest budget (the main job's model and settings, ``--schedule wsd --decay-fraction F``,
-1-sqrt decay) checkpoints at the start of each smaller budget's decay; each smaller budget N is a branch
-(``mlx-llm train --branch-from RUN --branch-step (1 − F)·N --steps N``) that decays from there. The largest
-budget is the WSD run itself. Each budget also gets its own cosine run (the main job's schedule). Reported per
-budget: the final val bits/byte on the whole val split of both, and the optimizer steps each way costs: the
-branches share the stable run, so the WSD family costs N_max + F·Σ N_smaller steps against Σ N for the cosine
-runs. Every run is a normal run directory under --out.
+One WSD trunk of the largest budget (the main job's model and settings, ``--schedule wsd --decay-fraction F``,
+1-sqrt decay) checkpoints at the start of each budget's decay; each budget N is a branch (``mlx-llm train
+--branch-from TRUNK --branch-step (1 − F)·N --steps N``) that decays from there. The largest budget's branch
+repeats the trunk's own decay, and its parameters are checked bitwise equal to the trunk's. Each budget also gets
+its own cosine run (the main job's schedule). Reported per budget: the final val bits/byte on the whole val split
+of both, and the optimizer steps each way costs: the branches share the stable trunk, so the WSD family needs
+(1 − F)·N_max + F·Σ N steps against Σ N for the cosine runs. Every run is a normal run directory under --out.
 
     python -m experiments.wsd_branches --out runs/wsd           # budgets 175, 350, 700 (≈ 14 min on 2 cores)
     python -m experiments.wsd_branches --out /tmp/w --quick     # tiny budgets (a smoke run)
@@ -21,15 +21,29 @@ import dataclasses
 import json
 from pathlib import Path
 
+import jax
+import numpy as np
+
 from experiments import common
 from mlx_llm.recipes import MAIN_JOB_MODEL, MAIN_JOB_TRAIN, MAIN_JOB_VOCAB
 from mlx_llm.runs.branch import Branch
 from mlx_llm.runs.configs import DataSpec
+from mlx_llm.runs.load import load_params
+from mlx_llm.runs.record import open_run
 from mlx_llm.train.run import train_run
 
 
+def trees_equal(a, b) -> bool:
+    """Bitwise equality of two parameter trees."""
+    return jax.tree.structure(a) == jax.tree.structure(b) and all(
+        np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
 def run(out: Path, tcfg, spec, cache_dir, branch=None) -> dict:
-    """One run (or branch) quietly; its summary."""
+    """One run (or branch) quietly; its summary (read back when the run already finished: a rerun of the script
+    adds only what is missing)."""
+    if (out / "summary.json").is_file():
+        return json.loads((out / "summary.json").read_text())
     summary = train_run(out, None if branch else MAIN_JOB_MODEL, None if branch else tcfg,
                         None if branch else spec, show_progress=False, cache_dir=cache_dir, sample_tokens=8,
                         log=lambda *a: None, branch=branch)
@@ -54,30 +68,32 @@ def main(argv=None) -> int:
     interval = min(s for n, s in starts.items())
     if any(s % interval for s in starts.values()):
         raise SystemExit(f"the decay starts {sorted(starts.values())} must be multiples of the smallest (checkpoints)")
-    base = dataclasses.replace(MAIN_JOB_TRAIN, eval_interval=top, checkpoint_interval=interval, keep_checkpoints=top,
-                               log_interval=25)
+    base = dataclasses.replace(MAIN_JOB_TRAIN, schedule="cosine", eval_interval=top, checkpoint_interval=interval,
+                               keep_checkpoints=top, log_interval=25)
     if args.quick:
         base = dataclasses.replace(base, batch_size=4, seq_len=32, warmup_steps=2, eval_tokens=512, log_interval=4)
     spec = DataSpec(path=args.data, vocab_size=MAIN_JOB_VOCAB)
     wsd_cfg = dataclasses.replace(base, steps=top, schedule="wsd", decay_fraction=F)
-    wsd = {top: run(args.out / f"wsd-{top}", wsd_cfg, spec, args.cache_dir)}
-    for n in budgets[:-1]:
-        wsd[n] = run(args.out / f"wsd-{n}", None, None, args.cache_dir,
-                     Branch(args.out / f"wsd-{top}", starts[n], {"steps": n}))
+    trunk = args.out / f"wsd-{top}"
+    run(trunk, wsd_cfg, spec, args.cache_dir)
+    wsd = {n: run(args.out / f"branch-{n}", None, None, args.cache_dir, Branch(trunk, starts[n], {"steps": n}))
+           for n in budgets}
+    exact = trees_equal(load_params(open_run(trunk)), load_params(open_run(args.out / f"branch-{top}")))
     cosine = {n: run(args.out / f"cosine-{n}", dataclasses.replace(base, steps=n, eval_interval=n,
                                                                  checkpoint_interval=n), spec, args.cache_dir)
               for n in budgets}
     rows = [{"budget_steps": n, "wsd_val_bpb": wsd[n]["val_bpb"], "cosine_val_bpb": cosine[n]["val_bpb"],
-             "branch_step": None if n == top else starts[n],
-             "wsd_steps_run": top if n == top else n - starts[n], "cosine_steps_run": n} for n in budgets]
+             "branch_step": starts[n], "branch_steps_run": n - starts[n], "cosine_steps_run": n} for n in budgets]
     result = {"rows": rows, "decay_fraction": F, "decay_shape": wsd_cfg.decay_shape,
-              "wsd_family_steps": sum(r["wsd_steps_run"] for r in rows),
-              "cosine_family_steps": sum(budgets), "train": dataclasses.asdict(base), "model": MAIN_JOB_MODEL.to_dict()}
+              "wsd_family_steps": starts[top] + sum(r["branch_steps_run"] for r in rows),
+              "cosine_family_steps": sum(budgets), "top_branch_bitwise_equal_to_trunk": exact,
+              "train": dataclasses.asdict(base), "model": MAIN_JOB_MODEL.to_dict()}
     (args.out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     for r in rows:
         print(f"budget {r['budget_steps']:>5} steps: wsd {r['wsd_val_bpb']:.4f}, cosine {r['cosine_val_bpb']:.4f} "
               f"bits/byte")
-    print(f"steps: wsd family {result['wsd_family_steps']}, cosine runs {result['cosine_family_steps']}")
+    print(f"steps: wsd family {result['wsd_family_steps']} (stable trunk + decays), cosine runs "
+          f"{result['cosine_family_steps']}; the {top}-step branch equals the trunk bitwise: {exact}")
     common.save_from_args(args, result)
     return 0
 

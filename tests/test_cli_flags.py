@@ -13,6 +13,7 @@ import pytest
 
 from mlx_llm.cli import build_parser
 from mlx_llm.cli import parser as parser_lib
+from mlx_llm.errors import MLXLLMError
 from mlx_llm.cli.flags import given
 from mlx_llm.config import TrainConfig
 from helpers import cli_in_process
@@ -110,3 +111,20 @@ def test_bad_ppo_settings_are_refused_in_one_line_before_anything_is_written(tmp
     proc = cli_in_process("rl", "--base", tmp_path / "base", "--task", "arithmetic", *flags, "--out", tmp_path / "o")
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
     assert message in proc.stderr and not (tmp_path / "o").exists()
+
+
+def test_set_reaches_every_config_of_a_post_command():
+    """``--set`` over a post-training command's configs: its settings under the kind's name, LoRA, the train
+    config and the reporting options; the model comes from --base, so it has no model section."""
+    from mlx_llm.cli import build_parser
+    from mlx_llm.cli.flags import apply_sets, given
+
+    args = build_parser().parse_args(["dpo", "--out", "x", "--set", "dpo.beta=0.25", "--set", "lora.rank=4",
+                                      "--set", "train.steps=7", "--set", "run.tracker=tensorboard",
+                                      "--set", "dpo.reference=none"])
+    fields = apply_sets(given(args), args.sets, args.sections)
+    assert fields["settings"] == {"beta": 0.25, "reference": None} and fields["lora"] == {"rank": 4}
+    assert fields["train"] == {"steps": 7} and fields["run"] == {"tracker": ("tensorboard",)}
+    args = build_parser().parse_args(["sft", "--out", "x", "--set", "model.d_model=8"])
+    with pytest.raises(MLXLLMError, match="this command has no 'model' settings; its sections are train, sft, lora"):
+        apply_sets(given(args), args.sets, args.sections)

@@ -113,6 +113,7 @@ def test_no_update_is_skipped_in_the_warmup_and_a_nan_is_not_hidden():
     assert bool(jnp.isnan(updates["w"]).all()) and int(state.skipped) == 0  # the loop's divergence check sees it
 
 
+@pytest.mark.slow
 def test_skip_spikes_sits_in_the_run_optimizer_and_reports_its_count():
     from mlx_llm.train.step import init_state, make_train_step, optimizer_for
 
@@ -136,6 +137,7 @@ def _batch(cfg, B=2, T=8, seed=0):
 
 
 # ----- z-loss ------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [0, 5])
 def test_z_loss_adds_w_log_z_squared_and_its_gradient(chunk):
     from mlx_llm.kernels import Kernels
@@ -167,6 +169,7 @@ def test_z_loss_adds_w_log_z_squared_and_its_gradient(chunk):
     assert float(optax.tree.norm(jax.tree.map(jnp.subtract, got_g, plain))) > 1e-6  # it changes the update
 
 
+@pytest.mark.slow
 def test_the_step_reports_the_z_loss_inside_the_loss():
     from mlx_llm.train.step import init_state, make_train_step, optimizer_for
 
@@ -180,3 +183,13 @@ def test_the_step_reports_the_z_loss_inside_the_loss():
     assert "z_loss" not in metrics[0.0] and float(metrics[1e-2]["z_loss"]) > 0
     assert float(metrics[1e-2]["loss"]) - float(metrics[1e-2]["z_loss"]) == pytest.approx(float(metrics[0.0]["loss"]),
                                                                                         rel=1e-6)  # float32 step
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3, 10, 37, 700])
+def test_a_sized_wsd_run_keeps_room_for_its_decay(steps):
+    """``--time-budget`` / ``--target-flops`` cap the warmup; under wsd also to leave the decay its steps."""
+    from mlx_llm.train.run import with_steps
+
+    sized = with_steps(TrainConfig(steps=700, warmup_steps=30, schedule="wsd"), steps)
+    assert sized.steps == steps and sized.warmup_steps + sized.decay_steps <= steps
+    assert sized.warmup_steps == min(30, steps - 1, steps - max(1, round(0.2 * steps)))

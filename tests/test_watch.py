@@ -222,3 +222,24 @@ def test_the_step_reports_the_stats_of_its_own_state(cfg):
             for key in want[kind]:
                 np.testing.assert_allclose(m["watch"][kind][key], want[kind][key], rtol=2e-5, atol=1e-9,
                                            err_msg=f"{kind}/{key}")
+
+
+@pytest.mark.slow
+def test_several_updates_per_step_report_their_mean_stats():
+    """PPO's epochs × minibatches updates in one step: the stats are the mean over the step's updates (like
+    its other metrics), per layer, and the spike count is the last update's."""
+    from mlx_llm.config import TrainConfig
+    from mlx_llm.train.step import init_state, lm_objective, make_update, optimizer_for
+
+    cfg = ModelConfig(**{**SMALL, "n_layers": 2})
+    tcfg = TrainConfig(batch_size=4, seq_len=8, steps=4, warmup_steps=1, watch_interval=1, skip_spikes=True)
+    opt = optimizer_for(tcfg, 4)
+    update = jax.jit(make_update(lm_objective(cfg, tcfg), tcfg, opt, epochs=2, minibatches=2, n_layers=2))
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 64, (4, 9)), jnp.int32)
+    batch = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:], "mask": jnp.ones((4, 8), jnp.float32),
+             "segment_ids": jnp.ones((4, 8), jnp.int32), "positions": jnp.tile(jnp.arange(8, dtype=jnp.int32), (4, 1))}
+    state, m = update(init_state(cfg, tcfg, opt), batch, None)
+    row = as_row(m["watch"])
+    for kind in ("param_rms", "grad_rms", "update_rms"):
+        assert len(row[kind]["wq"]) == 2 and all(v > 0 for v in row[kind]["layer"]), kind
+    assert int(m["spikes_skipped"]) == 0 and int(state.opt_state.accepted) == 4

@@ -111,7 +111,7 @@ def branch_of(args, given: dict, parser):
     (and where arrays live: ``RESUME_MAY_CHANGE``); anything else given is refused as on --resume."""
     from mlx_llm.runs.record import open_run
     from mlx_llm.runs.resume import check_unchanged
-    from mlx_llm.train.run import Branch
+    from mlx_llm.runs.branch import Branch
 
     if args.resume or args.from_step is not None:
         raise MLXLLMError("--branch-from starts a new run: it takes no --resume / --from-step (resume a branch "

@@ -156,9 +156,12 @@ class Profile:
         if self.active and s + 1 == sum(self.steps) - 1:
             self.stop(state)
 
-    def stop(self, state) -> None:
+    def stop(self, state=None) -> None:
+        """End the trace once ``state`` (the last traced step's result) exists; without it (the run ended early,
+        or failed) at once."""
         if self.active:
-            jax.block_until_ready(state)
+            if state is not None:
+                jax.block_until_ready(state)
             jax.profiler.stop_trace()
             self.active = False
 
@@ -205,7 +208,7 @@ def fit(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, job: Job, state, *, 
             return _steps(run_dir, cfg, tcfg, job, state, ckpts, last_ckpt, show_progress, max_seconds, trackers,
                           profile)
         finally:
-            profile.stop(state)
+            profile.stop()  # the state given here was donated to the first step: nothing of it to wait for
             ckpts.close()
 
 

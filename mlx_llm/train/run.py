@@ -189,8 +189,12 @@ def fit_time_budget(cfg: ModelConfig, tcfg: TrainConfig, corpus, seconds: float,
 
 
 def with_steps(tcfg: TrainConfig, steps: int) -> TrainConfig:
-    """``tcfg`` with ``steps`` steps, warmup and intervals capped to them (a sized run)."""
-    return dataclasses.replace(tcfg, steps=steps, warmup_steps=min(tcfg.warmup_steps, max(steps - 1, 0)),
+    """``tcfg`` with ``steps`` steps, warmup and intervals capped to them (a sized run); under wsd the warmup
+    also leaves room for the decay."""
+    warmup = min(tcfg.warmup_steps, max(steps - 1, 0))
+    if tcfg.schedule == "wsd":
+        warmup = min(warmup, steps - dataclasses.replace(tcfg, steps=steps, warmup_steps=0).decay_steps)
+    return dataclasses.replace(tcfg, steps=steps, warmup_steps=warmup,
                                eval_interval=min(tcfg.eval_interval, steps),
                                checkpoint_interval=min(tcfg.checkpoint_interval, steps))
 
