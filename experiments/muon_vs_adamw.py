@@ -90,7 +90,8 @@ def main(argv=None) -> int:
         summary = train_run(out, MAIN_JOB_MODEL, tcfg, spec, show_progress=False, cache_dir=args.cache_dir,
                             sample_tokens=8, log=lambda *a: None)
         row = {"optimizer": optimizer, "lr": lr, "steps": tcfg.steps, "val_bpb": summary["val_bpb"],
-               "val_loss": summary["val_loss"], "step_seconds": summary["train_seconds"] / summary["steps_this_session"],
+               "val_loss": summary["val_loss"],
+               "step_seconds": summary["train_seconds"] / summary["steps_this_session"],
                "train_loss_at": losses_at(out, checkpoints)}
         rows.append(row)
         print(f"{optimizer} lr {lr:g}: val bits/byte {row['val_bpb']:.4f}, {row['step_seconds'] * 1e3:.0f} ms/step",

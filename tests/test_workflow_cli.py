@@ -169,7 +169,7 @@ def test_bad_branches_are_refused(ws, wsd_run, tmp_path, flags, message):
 
 
 def test_a_cosine_run_cannot_be_branched(ws, tmp_path):
-    assert train(ws, tmp_path / "cos", "--steps", 2).returncode == 0
+    assert train(ws, tmp_path / "cos", "--steps", 2, "--schedule", "cosine").returncode == 0
     proc = cli_in_process("train", "--out", tmp_path / "b", "--branch-from", tmp_path / "cos", "--branch-step", 2,
                           "--steps", 4)
     assert proc.returncode == 2 and "only a pretraining run with --schedule wsd can be branched" in proc.stderr

@@ -42,7 +42,8 @@ def branch_configs(branch: Branch) -> tuple[Run, object]:
     run = open_run(branch.run)
     bad = sorted(set(branch.changes) - RESUME_MAY_CHANGE)
     if bad or "steps" not in branch.changes:
-        raise ConfigError(f"a branch takes every setting from {run.path} but --steps (and {sorted(RESUME_MAY_CHANGE - {'steps'})}): "
+        others = sorted(RESUME_MAY_CHANGE - {"steps"})
+        raise ConfigError(f"a branch takes every setting from {run.path} but --steps (and {others}): "
                           + (f"{bad} cannot change" if bad else "give --steps N"))
     if run.kind != "pretrain" or run.tcfg.schedule != "wsd":
         raise ConfigError(f"--branch-from {run.path}: only a pretraining run with --schedule wsd can be branched (its "

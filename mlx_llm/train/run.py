@@ -212,7 +212,8 @@ def size_run(cfg: ModelConfig, tcfg: TrainConfig, sizing: Sizing, log=print) -> 
         n = param_count(cfg, sizing.param_count)
         steps = steps_for_tokens_per_param(cfg, tcfg.seq_len, tcfg.batch_size, sizing.tokens_per_param,
                                            sizing.param_count)
-        why = f"--tokens-per-param {sizing.tokens_per_param:g} × {n:,} {sizing.param_count} parameters / {tokens:,} tokens/step"
+        why = (f"--tokens-per-param {sizing.tokens_per_param:g} × {n:,} {sizing.param_count} parameters / "
+               f"{tokens:,} tokens/step")
     sized = with_steps(tcfg, steps)
     log(f"{why}: {steps:,} steps ({steps * tokens * flops:.4g} training FLOPs, {steps * tokens:,} tokens)")
     return sized, {"sizing": {**sizing.to_dict(), "steps": steps, "flops_per_token": flops,
@@ -230,6 +231,22 @@ def describe(cfg: ModelConfig, corpus, log) -> None:
         f"vocab {cfg.vocab_size}; {jax.device_count()} device(s)")
 
 
+def run_configs(run_dir: Path, cfg, tcfg, spec, resume: bool, changes, from_step, branch) -> tuple:
+    """(model config, train config, data spec, resume plan, parent run, provenance) of a pretraining run: the
+    ones given (a new run), the run's own with ``changes`` (a resume, checked by ``plan_resume``), or the parent's
+    with the branch's steps (a branch, checked by ``branch_configs``)."""
+    if from_step is not None and not resume:
+        raise ConfigError(f"--from-step {from_step} continues a run from one of its checkpoints: it needs --resume")
+    if resume:
+        cfg, tcfg, spec = check_same_run(run_dir, cfg, tcfg, spec, changes)
+        return cfg, tcfg, spec, plan_resume(run_dir, tcfg, from_step), None, {}
+    if branch is not None:
+        parent, tcfg = branch_configs(branch)
+        return (parent.cfg, tcfg, parent.record.data, None, parent,
+                {"branch": {"run": str(parent.path), "step": branch.step}})
+    return cfg, tcfg, spec, None, None, {}
+
+
 def train_run(run_dir, cfg: ModelConfig | None, tcfg: TrainConfig | None, spec: DataSpec | None, *,
               resume: bool = False, show_progress: bool = True, cache_dir=None, sample_prompt: str = "def ",
               sample_tokens: int = 200, time_budget: float | None = None, log=print, changes: dict | None = None,
@@ -245,19 +262,12 @@ def train_run(run_dir, cfg: ModelConfig | None, tcfg: TrainConfig | None, spec: 
     ``sizing`` sets a new run's steps from its compute (``size_run``); ``branch`` starts a new run from a
     checkpoint of a wsd run, with that run's settings (runs/branch.py); ``options``: ``loop.fit``'s.
     """
-    run_dir, plan, main, provenance, parent = Path(run_dir), None, is_main_process(), {}, None
+    run_dir, main = Path(run_dir), is_main_process()
     if not main:  # every process computes the same; process 0 alone reports and writes
         log, show_progress = (lambda *a, **k: None), False
     check_run_dir(run_dir, resume)
-    if from_step is not None and not resume:
-        raise ConfigError(f"--from-step {from_step} continues a run from one of its checkpoints: it needs --resume")
-    if resume:
-        cfg, tcfg, spec = check_same_run(run_dir, cfg, tcfg, spec, changes)
-        plan = plan_resume(run_dir, tcfg, from_step)
-    elif branch is not None:
-        parent, tcfg = branch_configs(branch)
-        cfg, spec, provenance = parent.cfg, parent.record.data, {"branch": {"run": str(parent.path),
-                                                                            "step": branch.step}}
+    cfg, tcfg, spec, plan, parent, provenance = run_configs(run_dir, cfg, tcfg, spec, resume, changes, from_step,
+                                                            branch)
     tok, text = read_text_and_tokenizer(parent.path if parent else run_dir, spec, cache_dir, tcfg.objective)
     cfg = finalize_config(cfg, tok, tcfg)
     if sizing is not None:
@@ -289,20 +299,26 @@ def train_run(run_dir, cfg: ModelConfig | None, tcfg: TrainConfig | None, spec: 
         sync("started")
         describe(cfg, corpus, log)
         out = train_loop(run_dir, cfg, tcfg, corpus, resume=resume or branch is not None, show_progress=show_progress,
-                         log=log,
-                         from_step=plan.step if plan and plan.from_step else None,
+                         log=log, from_step=plan.step if plan and plan.from_step else None,
                          schedule_steps=plan.schedule_steps if plan else None,
                          on_restored=(lambda: record_resume(run_dir, tcfg, plan)) if resume and main else None,
                          options=options)
-        summary = {**out["summary"], "unigram_val_bpb": corpus.unigram_bits_per_byte()}
-        params = gather_to_host(out["state"].params)  # whole arrays in every process: the decoder is local
-        if main:
-            plot_losses(run_dir / METRICS_FILE, run_dir / PLOT_FILE)
-            summary["sample"] = closing_sample(params, cfg, tok, sample_prompt, sample_tokens, seed=tcfg.seed,
-                                               objective=tcfg.objective)
-            (run_dir / SAMPLE_FILE).write_text(summary["sample"], encoding="utf-8")
-            write_summary(run_dir, summary)
-        sync("written")
+        summary = finish_run(run_dir, out, cfg, tcfg, tok, corpus, sample_prompt, sample_tokens)
+    return summary
+
+
+def finish_run(run_dir: Path, out: dict, cfg: ModelConfig, tcfg: TrainConfig, tok, corpus, sample_prompt: str,
+               sample_tokens: int) -> dict:
+    """After the loop: the loss plot, the closing sample and summary.json (process 0); the summary."""
+    summary = {**out["summary"], "unigram_val_bpb": corpus.unigram_bits_per_byte()}
+    params = gather_to_host(out["state"].params)  # whole arrays in every process: the decoder is local
+    if is_main_process():
+        plot_losses(run_dir / METRICS_FILE, run_dir / PLOT_FILE)
+        summary["sample"] = closing_sample(params, cfg, tok, sample_prompt, sample_tokens, seed=tcfg.seed,
+                                           objective=tcfg.objective)
+        (run_dir / SAMPLE_FILE).write_text(summary["sample"], encoding="utf-8")
+        write_summary(run_dir, summary)
+    sync("written")
     return summary
 
 

@@ -194,22 +194,8 @@ def make_update(objective: Callable, tcfg: TrainConfig, optimizer: optax.Gradien
     if tcfg.watch_interval and n_layers is None:
         raise ValueError("make_update: watch_interval needs the model's n_layers")
 
-    def accumulate(params, frozen, batch, key):
-        if tcfg.grad_accum == 1:
-            value, grads = grad_fn(params, frozen, batch, jax.random.fold_in(key, 0))
-            return value, grads
-        micro = jax.tree.map(lambda a: a.reshape(tcfg.grad_accum, -1, *a.shape[1:]), batch)
-
-        def body(carry, xs):
-            mb, i = xs
-            return jax.tree.map(jnp.add, carry, grad_fn(params, frozen, mb, jax.random.fold_in(key, i))), None
-
-        shapes = jax.eval_shape(grad_fn, params, frozen, jax.tree.map(lambda a: a[0], micro), key)
-        zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
-        return jax.lax.scan(body, zeros, (micro, jnp.arange(tcfg.grad_accum)))[0]
-
     def one_update(params, opt_state, frozen, batch, key, watching):
-        (loss_sum, (n, load, sums)), grads = accumulate(params, frozen, batch, key)
+        (loss_sum, (n, load, sums)), grads = _accumulate(grad_fn, tcfg.grad_accum, params, frozen, batch, key)
         grads = jax.tree.map(lambda g: g / n, grads)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
@@ -236,6 +222,22 @@ def make_update(objective: Callable, tcfg: TrainConfig, optimizer: optax.Gradien
         return new, {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step), **metrics}
 
     return update
+
+
+def _accumulate(grad_fn: Callable, grad_accum: int, params, frozen, batch, key):
+    """(summed values, summed gradients) of ``grad_fn`` over ``grad_accum`` micro-batches (the batch's leading
+    axis split in order; micro-batch i draws from ``fold_in(key, i)``), under one ``lax.scan``."""
+    if grad_accum == 1:
+        return grad_fn(params, frozen, batch, jax.random.fold_in(key, 0))
+    micro = jax.tree.map(lambda a: a.reshape(grad_accum, -1, *a.shape[1:]), batch)
+
+    def body(carry, xs):
+        mb, i = xs
+        return jax.tree.map(jnp.add, carry, grad_fn(params, frozen, mb, jax.random.fold_in(key, i))), None
+
+    shapes = jax.eval_shape(grad_fn, params, frozen, jax.tree.map(lambda a: a[0], micro), key)
+    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+    return jax.lax.scan(body, zeros, (micro, jnp.arange(grad_accum)))[0]
 
 
 def _several_updates(one_update: Callable, state: TrainState, frozen, batch, key, epochs: int, minibatches: int):
