@@ -25,6 +25,7 @@ import jax
 import numpy as np
 
 from experiments import common
+from mlx_llm.config import wsd_decay_steps
 from mlx_llm.recipes import MAIN_JOB_MODEL, MAIN_JOB_TRAIN, MAIN_JOB_VOCAB
 from mlx_llm.runs.branch import Branch
 from mlx_llm.runs.configs import DataSpec
@@ -64,7 +65,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     budgets = sorted(int(b) for b in ("10,20" if args.quick else args.budgets).split(","))
     F, top = args.decay_fraction, budgets[-1]
-    starts = {n: n - max(1, round(F * n)) for n in budgets}  # the step each budget's decay starts at
+    starts = {n: n - wsd_decay_steps(n, F) for n in budgets}  # the step each budget's decay starts at
     interval = min(s for n, s in starts.items())
     if any(s % interval for s in starts.values()):
         raise SystemExit(f"the decay starts {sorted(starts.values())} must be multiples of the smallest (checkpoints)")

@@ -275,6 +275,12 @@ COMPUTE_DTYPES = ("float32", "bfloat16")
 SCHEDULES = ("cosine", "wsd")  # TrainConfig.schedule (train/optim.py)
 DECAY_SHAPES = ("1-sqrt", "linear")  # the wsd decay (optim.DECAY_SHAPES)
 OPTIMIZERS = ("adamw", "muon")  # TrainConfig.optimizer
+PARAM_COUNTS = ("non_embedding", "total", "active")  # the N a tokens-per-parameter ratio multiplies (Sizing)
+
+
+def wsd_decay_steps(total_steps: int, decay_fraction: float) -> int:
+    """D of a warmup-stable-decay schedule of ``total_steps`` (optim.warmup_stable_decay): round(F·S), at least 1."""
+    return max(1, round(decay_fraction * total_steps))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -396,8 +402,8 @@ class TrainConfig(JsonConfig):
 
     @property
     def decay_steps(self) -> int:
-        """The wsd schedule's decay steps D = round(decay_fraction · steps), at least 1 (optim.wsd_decay_steps)."""
-        return max(1, round(self.decay_fraction * self.steps))
+        """The wsd schedule's decay steps D (``wsd_decay_steps``)."""
+        return wsd_decay_steps(self.steps, self.decay_fraction)
 
     def kernels(self, platform: str | None = None, *, resolve: bool = False):
         """The run's execution paths (``kernels.Kernels``), resolved for ``platform`` when ``resolve``."""

@@ -11,7 +11,7 @@ import dataclasses
 import math
 from pathlib import Path
 
-from mlx_llm.config import JsonConfig, setting
+from mlx_llm.config import PARAM_COUNTS, JsonConfig, setting
 from mlx_llm.errors import ConfigError
 from mlx_llm.layers import layout
 from mlx_llm.post.tasks import TASKS
@@ -286,7 +286,7 @@ class Sizing(JsonConfig):
     tokens_per_param: float | None = setting(None, "set the steps to read R tokens per parameter of "
                                              "--param-count (20: Chinchilla's ratio)", metavar="R")
     param_count: str = setting("non_embedding", "the N of --tokens-per-param: non_embedding, total or active",
-                               choices=("non_embedding", "total", "active"))
+                               choices=PARAM_COUNTS)
 
     def __post_init__(self) -> None:
         for name in ("target_flops", "tokens_per_param"):
@@ -294,9 +294,9 @@ class Sizing(JsonConfig):
                 _check_number(self, name, low=0.0, positive=True)
         if self.target_flops is not None and self.tokens_per_param is not None:
             raise ConfigError("give one of --target-flops and --tokens-per-param: each sets the steps")
-        if self.param_count not in ("non_embedding", "total", "active"):
+        if self.param_count not in PARAM_COUNTS:
             raise ConfigError(f"Sizing.param_count = {self.param_count!r} is invalid: valid counts are "
-                              f"['non_embedding', 'total', 'active']")
+                              f"{list(PARAM_COUNTS)}")
 
     @property
     def active(self) -> bool:

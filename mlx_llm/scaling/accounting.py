@@ -13,7 +13,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from mlx_llm.config import ModelConfig
+from mlx_llm.config import PARAM_COUNTS, ModelConfig
 from mlx_llm.errors import ConfigError, InputError
 from mlx_llm.layers import layout
 
@@ -266,8 +266,6 @@ def decode_state_bytes(cfg: ModelConfig, seq_len: int, batch: int = 1, dtype="fl
 
 
 # ----- sizing a run by compute ------------------------------------------------------------------------------
-
-PARAM_COUNTS = ("non_embedding", "total", "active")  # the N a tokens-per-parameter ratio multiplies
 
 
 def _positive(name: str, value) -> float:

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from mlx_llm.config import DECAY_SHAPES, OPTIMIZERS
+from mlx_llm.config import DECAY_SHAPES, OPTIMIZERS, wsd_decay_steps
 from mlx_llm.errors import ConfigError
 from mlx_llm.layers import layout
 from mlx_llm.train import muon  # muon looks optim's names up when called: no import cycle
@@ -134,11 +134,6 @@ def warmup_cosine(peak: float, warmup_steps: int, total_steps: int, final_fracti
         return jnp.where(s < warmup_steps, warm, cosine)
 
     return schedule
-
-
-def wsd_decay_steps(total_steps: int, decay_fraction: float) -> int:
-    """D of a warmup-stable-decay schedule of ``total_steps``: round(F·S), at least 1 (``TrainConfig.decay_steps``)."""
-    return max(1, round(decay_fraction * total_steps))
 
 
 def warmup_stable_decay(peak: float, warmup_steps: int, total_steps: int, decay_fraction: float = 0.2,

@@ -26,7 +26,7 @@ from mlx_llm.runs.record import RunRecord, open_run, write_run
 from mlx_llm.runs.resume import RESUME_MAY_CHANGE, plan_resume, record_resume, schedule_config
 from mlx_llm.runs.sample import closing_sample
 from mlx_llm.train.checkpoint import check_run_dir, locked_run_dir
-from mlx_llm.config import ModelConfig, TrainConfig
+from mlx_llm.config import ModelConfig, TrainConfig, wsd_decay_steps
 from mlx_llm.errors import CheckpointError, ConfigError
 from mlx_llm.model import check_tokens
 from mlx_llm.train.loop import Job, fit
@@ -193,7 +193,7 @@ def with_steps(tcfg: TrainConfig, steps: int) -> TrainConfig:
     also leaves room for the decay."""
     warmup = min(tcfg.warmup_steps, max(steps - 1, 0))
     if tcfg.schedule == "wsd":
-        warmup = min(warmup, steps - dataclasses.replace(tcfg, steps=steps, warmup_steps=0).decay_steps)
+        warmup = min(warmup, steps - wsd_decay_steps(steps, tcfg.decay_fraction))
     return dataclasses.replace(tcfg, steps=steps, warmup_steps=warmup,
                                eval_interval=min(tcfg.eval_interval, steps),
                                checkpoint_interval=min(tcfg.checkpoint_interval, steps))
