@@ -38,6 +38,15 @@ def spec_for(corpus_dir):
     return DataSpec(path=str(corpus_dir), extensions=(".py",), val_percent=20.0, tokenizer="byte")
 
 
+def finished_tiny_run(out, corpus_dir):
+    """A finished 6-step tiny run in ``out`` (checkpoints 3 and 6), quietly; returns ``out``."""
+    from mlx_llm.train.run import train_run
+
+    train_run(out, TINY, tiny_train(), spec_for(corpus_dir), show_progress=False, cache_dir=out.parent / "cache",
+              sample_tokens=8, log=lambda *a: None)
+    return out
+
+
 def assert_trees_equal(a, b):
     chex.assert_trees_all_equal_structs(a, b)
     chex.assert_trees_all_equal(a, b)  # bitwise, leaf by leaf

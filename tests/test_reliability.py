@@ -18,7 +18,7 @@ from mlx_llm.runs.load import load_params
 from mlx_llm.runs.record import open_run
 from mlx_llm.train.checkpoint import LOCK_FILE, MANIFEST_FILE, Checkpoints, check_run_dir, locked_run_dir, run_lock
 from mlx_llm.train.run import train_run
-from helpers import TINY, assert_trees_equal, cli_in_process, snapshot, spec_for, tiny_train
+from helpers import TINY, finished_tiny_run, assert_trees_equal, cli_in_process, snapshot, spec_for, tiny_train
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -26,10 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory, corpus_dir):
     """A finished 6-step tiny run with checkpoints 3 and 6 (copied by each test that changes it)."""
-    out = tmp_path_factory.mktemp("finished") / "run"
-    train_run(out, TINY, tiny_train(), spec_for(corpus_dir), show_progress=False, cache_dir=out.parent / "cache",
-              sample_tokens=8, log=lambda *a: None)
-    return out
+    return finished_tiny_run(tmp_path_factory.mktemp("finished") / "run", corpus_dir)
 
 
 def copy_run(finished, to):
@@ -141,6 +138,16 @@ def test_two_new_runs_racing_for_one_directory(tmp_path):
 
 
 # ----- damaged checkpoints ---------------------------------------------------------------------------------------
+def as_old_run(out: Path) -> Path:
+    """``out`` as a version before checksum manifests wrote it: no manifests, no ``checksums`` in run.json."""
+    for manifest in (out / "checkpoints").glob(f"*/{MANIFEST_FILE}"):
+        manifest.unlink()
+    record = json.loads((out / "run.json").read_text())
+    del record["checksums"]
+    (out / "run.json").write_text(json.dumps(record))
+    return out
+
+
 def largest_file(step_dir: Path) -> Path:
     return max((p for p in step_dir.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
 
@@ -185,9 +192,7 @@ def test_no_intact_checkpoint_and_checkpoints_without_a_manifest(tmp_path, finis
     with pytest.raises(CheckpointError, match=r"checkpoint 6 is damaged .*there is no earlier intact checkpoint"):
         params_of(out)
     # a checkpoint written before manifests existed is restored unchecked; orbax's own error still reads the same
-    old = copy_run(finished, tmp_path / "old")
-    for step in (3, 6):
-        (old / "checkpoints" / str(step) / MANIFEST_FILE).unlink()
+    old = as_old_run(copy_run(finished, tmp_path / "old"))
     assert_trees_equal(params_of(old), params_of(finished))
     truncate(old / "checkpoints" / "6")
     with pytest.raises(CheckpointError, match=r"checkpoint 6 is damaged \(.*orbax cannot restore it .*the "
@@ -233,9 +238,7 @@ def test_resume_refusals_change_nothing(tmp_path, finished):
         assert re.search(message, cli_refused(tmp_path, *args))
     # a checkpoint without a manifest that orbax cannot restore: found under the run's lock, after which nothing
     # else is written (the resume's changes are recorded only once the state is restored)
-    old = copy_run(finished, tmp_path / "old")
-    for step in (3, 6):
-        (old / "checkpoints" / str(step) / MANIFEST_FILE).unlink()
+    old = as_old_run(copy_run(finished, tmp_path / "old"))
     truncate(old / "checkpoints" / "6")
     before = {k: v for k, v in snapshot(old).items() if k != LOCK_FILE}
     proc = cli_in_process("train", "--resume", "--out", old, "--steps", 22, "--no-progress")

@@ -70,6 +70,20 @@ def test_kind_configs_refuse_bad_values(make, message):
         make()
 
 
+def test_a_new_run_records_that_its_checkpoints_carry_manifests(tmp_path):
+    """write_run records ``checksums``: a step of the run without a manifest is then refused
+    (train/checkpoint.py); a record without the key (an older run) reads as false."""
+    from mlx_llm.config import ModelConfig, TrainConfig
+    from mlx_llm.runs.record import write_run
+
+    write_run(tmp_path, ModelConfig(vocab_size=8, d_model=8, n_layers=1, n_heads=1, n_kv_heads=1, d_head=8, d_ff=8,
+                                    max_seq_len=8), TrainConfig(), RunRecord(kind="pretrain"))
+    stored = json.loads((tmp_path / "run.json").read_text())
+    assert stored["checksums"] is True and open_run(tmp_path).record.checksums is True
+    del stored["checksums"]
+    assert RunRecord.from_dict(stored).checksums is False and RunRecord(kind="pretrain").checksums is False
+
+
 def test_data_spec_default_vocabulary_is_the_main_jobs():
     from mlx_llm.recipes import MAIN_JOB_VOCAB
 

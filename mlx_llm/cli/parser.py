@@ -39,7 +39,8 @@ class Parser(argparse.ArgumentParser):
 
 def add_run_flags(p, *, out_required: bool, sections: dict) -> None:
     """--out, --resume, --from-step, --no-progress: where a training command writes and how it continues; what
-    it reports (``RunOptions``: trackers, profiler, HLO); ``--set`` over ``sections`` ({name: (section, class)})."""
+    it reports and how it runs (``RunOptions``: trackers, profiler, HLO, time-based checkpoints, the compilation
+    cache, --trust-unverified); ``--set`` over ``sections`` ({name: (section, class)})."""
     p.add_argument("--out", type=Path, required=out_required, help="run directory" + (
         "" if out_required else " (default: runs/run-<date>-<time>)"))
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint; "
@@ -52,7 +53,8 @@ def add_run_flags(p, *, out_required: bool, sections: dict) -> None:
                    help=f"set any field of the command's configs (repeatable; sections: {', '.join(sections)}), "
                    f"e.g. --set train.lr=1e-3; validated like the config files")
     p.set_defaults(sections=sections)
-    add_config_flags(p.add_argument_group("reporting"), RunOptions, "run")
+    add_config_flags(p.add_argument_group("reporting and running (none changes a number; a resume may differ)"),
+                     RunOptions, "run")
 
 
 def add_train(sub) -> None:

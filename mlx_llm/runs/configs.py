@@ -15,7 +15,7 @@ from mlx_llm.config import PARAM_COUNTS, JsonConfig, setting
 from mlx_llm.errors import ConfigError
 from mlx_llm.layers import layout
 from mlx_llm.post.tasks import TASKS
-from mlx_llm.train.data import DEFAULT_EXTENSIONS, DEFAULT_VAL_PERCENT
+from mlx_llm.train.data import DEFAULT_EXTENSIONS, DEFAULT_VAL_PERCENT, default_cache_dir
 from mlx_llm.train.trackers import check_trackers
 
 TOKENIZERS = ("bpe", "byte")
@@ -249,8 +249,10 @@ KIND_CONFIGS = {"pretrain": NoSettings, "sft": SFTConfig, "reward": RewardConfig
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunOptions(JsonConfig):
-    """What a training run reports besides metrics.jsonl, for every run kind (the loop, ``train.loop.fit``): none
-    of it changes a number, so a resume may give other values. Not stored in the run's configs."""
+    """What a training run reports besides metrics.jsonl and how it runs, for every run kind (the loop,
+    ``train.loop.fit``): trackers, profiler, HLO dump, time-based checkpoints, the compilation cache, trusting an
+    unverified checkpoint. None of it changes a number, so a resume may give other values. Not stored in the run's
+    configs."""
 
     tracker: tuple[str, ...] = setting((), "experiment trackers, comma-separated: tensorboard (event files in "
                                        "RUN/tb/), wandb (honours WANDB_MODE=offline); the same scalars as "
@@ -258,12 +260,36 @@ class RunOptions(JsonConfig):
     profile_steps: str | None = setting(None, "trace N steps from step START with jax.profiler into RUN/profile/ "
                                         "(TensorBoard's profile plugin or xprof open it)", metavar="START:N")
     dump_hlo: bool = setting(False, "write the compiled step's HLO text to RUN/hlo/")
+    checkpoint_minutes: float | None = setting(None, "also write a checkpoint once M minutes have passed since the "
+                                               "last one, beside the --checkpoint-interval ones (M > 0)",
+                                               metavar="M")
+    compilation_cache: str | None = setting(None, "jax's persistent compilation cache: a second start of the same "
+                                            "run loads its compiled programs instead of compiling them again "
+                                            "(default: ~/.cache/mlx_llm/jax; train: jax/ under --cache-dir when "
+                                            "given; 'off': none)", metavar="DIR")
+    trust_unverified: bool = setting(False, "restore a checkpoint that has no checksum manifest although the run "
+                                     "writes one for every checkpoint (the manifest was deleted, or the run was "
+                                     "killed before writing it); its files are not verified")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tracker", check_trackers(self.tracker))  # installed, or refused naming the extra
         self.profile_range()
-        if not isinstance(self.dump_hlo, bool):
-            raise ConfigError(f"RunOptions.dump_hlo = {self.dump_hlo!r} must be true or false")
+        for name in ("dump_hlo", "trust_unverified"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"RunOptions.{name} = {getattr(self, name)!r} must be true or false")
+        if self.checkpoint_minutes is not None:
+            _check_number(self, "checkpoint_minutes", low=0.0, positive=True)
+        if self.compilation_cache is not None and not str(self.compilation_cache).strip():
+            raise ConfigError("--compilation-cache '' is invalid: give a directory, or 'off'")
+
+    def compilation_cache_dir(self, cache_dir=None) -> str | None:
+        """The compilation cache's directory (absolute): ``compilation_cache``, else jax/ under ``cache_dir``
+        (the token cache's directory, default ``~/.cache/mlx_llm``); None when 'off'."""
+        if self.compilation_cache == "off":
+            return None
+        if self.compilation_cache is not None:
+            return str(Path(self.compilation_cache).expanduser().resolve())
+        return str(Path(cache_dir if cache_dir is not None else default_cache_dir()).expanduser().resolve() / "jax")
 
     def profile_range(self) -> tuple[int, int] | None:
         """(first traced step, steps traced) of ``profile_steps``, 1-based steps as in metrics.jsonl; or None."""

@@ -11,7 +11,9 @@ is and where it comes from:
 - ``template``: the chat template (fine-tuning and preference runs);
 - ``settings``: the kind's own config (``configs.KIND_CONFIGS``), read back whole on resume;
 - ``schedule_steps``: the total the lr schedule is defined over, once a run has been extended;
-- ``provenance``: where a merged or imported run came from, and what wrote the record.
+- ``provenance``: where a merged or imported run came from, and what wrote the record;
+- ``checksums``: every checkpoint of the run carries a checksum manifest (train/checkpoint.py), so one without is
+  refused; set by ``write_run``, absent (false) in runs written before manifests were written for every step.
 
 Records written before this schema (format 1: keys ``sft`` / ``post`` / ``merged_from`` / ``imported``) are read
 through ``migrate`` in memory; nothing is rewritten until the run itself writes its record again.
@@ -56,6 +58,7 @@ class RunRecord:
     settings: Any = None
     schedule_steps: int | None = None
     provenance: dict = dataclasses.field(default_factory=dict)
+    checksums: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KIND_CONFIGS:
@@ -73,7 +76,7 @@ class RunRecord:
                 "base": None if self.base is None else dataclasses.asdict(self.base),
                 "lora": None if self.lora is None else dataclasses.asdict(self.lora), "template": self.template,
                 "settings": self.settings.to_dict(), "schedule_steps": self.schedule_steps,
-                "provenance": self.provenance}
+                "provenance": self.provenance, "checksums": self.checksums}
 
     @classmethod
     def from_dict(cls, d: dict, *, source: str = "run.json") -> "RunRecord":
@@ -94,7 +97,8 @@ class RunRecord:
                    lora=None if lora is None else LoRAConfig(**{**lora, "targets": tuple(lora["targets"])}),
                    template=d.get("template"), settings=KIND_CONFIGS[kind].from_dict(d.get("settings") or {},
                                                                                       source=source),
-                   schedule_steps=d.get("schedule_steps"), provenance=d.get("provenance") or {})
+                   schedule_steps=d.get("schedule_steps"), provenance=d.get("provenance") or {},
+                   checksums=d.get("checksums") is True)
 
     def replace(self, **changes) -> "RunRecord":
         return dataclasses.replace(self, **changes)
@@ -176,9 +180,10 @@ def write_record(path: Path, record: RunRecord) -> None:
 
 def write_run(path: Path, cfg: ModelConfig, tcfg: TrainConfig, record: RunRecord) -> None:
     """The three files of a new run (``path`` is created if needed); run.json last, so a directory with a
-    record has its configs."""
+    record has its configs. The record says its checkpoints carry checksum manifests (this version writes one for
+    each)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     cfg.to_json(path / CONFIG_FILE)
     tcfg.to_json(path / TRAIN_CONFIG_FILE)
-    write_record(path, record)
+    write_record(path, record.replace(checksums=True))

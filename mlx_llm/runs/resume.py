@@ -60,9 +60,11 @@ class ResumePlan:
     schedule_steps: int  # the total warmup_cosine is defined over (the run's first ``steps``, once extended)
 
 
-def plan_resume(run_dir: Path, tcfg: TrainConfig, from_step: int | None = None) -> ResumePlan:
+def plan_resume(run_dir: Path, tcfg: TrainConfig, from_step: int | None = None,
+                trust_unverified: bool | None = False) -> ResumePlan:
     """Check a resume of ``run_dir`` with ``tcfg`` before anything is written: the checkpoint it restores (the
-    latest, or ``from_step``) must be intact (a damaged one is refused, naming the previous intact one), and
+    latest, or ``from_step``) must be intact (a damaged one is refused, naming the previous intact one; one without
+    the manifest the run writes too, unless ``trust_unverified``; None leaves that to the restore, which knows), and
     ``steps`` may only grow (a smaller value would end the run before steps it has taken)."""
     run = open_run(run_dir)
     saved = run.tcfg
@@ -78,7 +80,7 @@ def plan_resume(run_dir: Path, tcfg: TrainConfig, from_step: int | None = None) 
         raise CheckpointError(f"--from-step {from_step}: {str(run_dir)!r} has no checkpoint {from_step}; its "
                               f"checkpoints are {steps}")
     step = from_step if from_step is not None else steps[-1]
-    ckpts = Checkpoints(run_dir)
+    ckpts = Checkpoints(run_dir, trust_unverified=trust_unverified is not False)
     try:
         ckpts.check_intact(step)
     finally:
@@ -86,16 +88,18 @@ def plan_resume(run_dir: Path, tcfg: TrainConfig, from_step: int | None = None) 
     return ResumePlan(step, from_step is not None, schedule_steps)
 
 
-def resume_plan(run_dir: Path, changes: dict | None = None, from_step: int | None = None) -> tuple:
+def resume_plan(run_dir: Path, changes: dict | None = None, from_step: int | None = None,
+                trust_unverified: bool | None = False) -> tuple:
     """(run, train config, ``ResumePlan``) of a resume of ``run_dir``, checked before anything is written:
     ``changes`` ({TrainConfig field: value}, fields of ``RESUME_MAY_CHANGE`` only) applied to the stored train
-    config, the checkpoint it restores intact, ``steps`` not shrunk. ``record_resume`` writes it once accepted."""
+    config, the checkpoint it restores intact (``trust_unverified``: see ``plan_resume``), ``steps`` not shrunk.
+    ``record_resume`` writes it once accepted."""
     run = open_run(run_dir)
     bad = sorted(set(changes or ()) - RESUME_MAY_CHANGE)
     if bad:
         raise ConfigError(f"a resumed run may change only {sorted(RESUME_MAY_CHANGE)} of its train config, not {bad}")
     tcfg = dataclasses.replace(run.tcfg, **(changes or {}))
-    return run, tcfg, plan_resume(run_dir, tcfg, from_step)
+    return run, tcfg, plan_resume(run_dir, tcfg, from_step, trust_unverified)
 
 
 def record_resume(run_dir: Path, tcfg: TrainConfig, plan: ResumePlan) -> None:

@@ -7,6 +7,12 @@ steps (and before every evaluation or checkpoint, so no host round-trip sits bet
 source itself needs the parameters, as RL's rollouts do), the divergence check (a checkpoint is written only
 after every step before it was checked finite, so a diverged run keeps its last good checkpoint), the
 evaluation and checkpoint cadence, ``max_seconds`` and the progress bar.
+
+Goodput (issue 25): checkpoints are written asynchronously (train/checkpoint.py), every ``checkpoint_interval``
+steps and, with ``--checkpoint-minutes M``, also once M minutes have passed since the last one. SIGTERM and SIGINT
+(Ctrl-C) stop the run at the next step boundary: the step in flight finishes, its metrics are written, a
+checkpoint is written at that step, and ``fit`` raises ``TrainingStopped`` naming the step and the command that
+continues the run (the CLI prints it and exits 0). A second signal interrupts at once (KeyboardInterrupt).
 """
 
 from __future__ import annotations
@@ -15,25 +21,30 @@ import contextlib
 import dataclasses
 import json
 import math
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import jax
+import numpy as np
 
 from mlx_llm.config import ModelConfig, TrainConfig
-from mlx_llm.errors import CheckpointError
+from mlx_llm.errors import CheckpointError, MLXLLMError
 from mlx_llm.runs.record import RUN_FILE
 from mlx_llm.settings import write_text_atomic
 from mlx_llm.train import trackers as trackers_lib
 from mlx_llm.train import watch
-from mlx_llm.train.checkpoint import Checkpoints, abstract_like
+from mlx_llm.train.checkpoint import Checkpoints, abstract_like, resume_command
 from mlx_llm.train.metrics import (METRICS_FILE, TrainingDiverged, append_metrics, expert_load_metrics,
                                    progress_bar, truncate_metrics)
 from mlx_llm.train.parallel import is_main_process, sync
 
 
 PROFILE_DIR, HLO_DIR = "profile", "hlo"
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+clock = time.monotonic  # what --checkpoint-minutes measures (tests replace it)
 
 
 def _describe(result: dict) -> str:
@@ -74,12 +85,56 @@ class Cadence:
     readback: bool
 
     @classmethod
-    def after(cls, done: int, tcfg: TrainConfig, out_of_time: bool, every_step: bool) -> "Cadence":
+    def after(cls, done: int, tcfg: TrainConfig, out_of_time: bool, every_step: bool,
+              due: bool = False) -> "Cadence":
+        """``due``: a time-based checkpoint is due (``--checkpoint-minutes``)."""
         final = done == tcfg.steps or out_of_time
         evaluate = done % tcfg.eval_interval == 0 or final
-        checkpoint = done % tcfg.checkpoint_interval == 0 or final
+        checkpoint = done % tcfg.checkpoint_interval == 0 or final or due
         return cls(done, final, evaluate, checkpoint,
                    every_step or evaluate or checkpoint or done % tcfg.log_interval == 0)
+
+
+class TrainingStopped(MLXLLMError):
+    """A run stopped by SIGTERM / SIGINT at a step boundary, its checkpoint written there; the message names the
+    step and the command that continues the run."""
+
+    def __init__(self, message: str, signal_name: str, step: int):
+        super().__init__(message)
+        self.signal_name, self.step = signal_name, step
+
+
+class StopSignals:
+    """SIGTERM and SIGINT while ``fit`` runs: the first one only records its name (``received``), and the loop
+    stops at the next step boundary; a second one raises KeyboardInterrupt at once. Installed from the main thread
+    only (Python delivers signals there); the previous handlers are restored on exit."""
+
+    def __init__(self):
+        self.received: str | None = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is not None:
+            raise KeyboardInterrupt
+        self.received = signal.Signals(signum).name
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+def any_process(flag: bool) -> bool:
+    """``flag`` in any process (with several, an all-gather: call it where every process calls it)."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(np.max(multihost_utils.process_allgather(np.int32(flag))))
 
 
 def restore(state, run_dir: Path, ckpts: Checkpoints, *, resume: bool, from_step: int | None, log) -> tuple:
@@ -196,71 +251,134 @@ def fit(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, job: Job, state, *, 
     (evaluation and checkpoint included) after the step that reaches that much loop time: equal-time runs.
     ``on_restored`` runs once the state is restored, before the first step: a resume records what it changed
     there, so a resume whose checkpoint cannot be restored changes nothing in the run. ``options``
-    (``runs.configs.RunOptions``): trackers, the profiler and the HLO dump."""
-    ckpts = Checkpoints(run_dir, tcfg.keep_checkpoints)
-    state, last_ckpt = restore(state, run_dir, ckpts, resume=resume, from_step=from_step, log=log)
-    if on_restored is not None:
-        on_restored()
-    dump_hlo(run_dir, job, options)
-    with open_trackers(run_dir, cfg, tcfg, options, resume) as trackers:
-        profile = Profile(run_dir, options.profile_range() if options is not None else None)
+    (``runs.configs.RunOptions``): trackers, the profiler, the HLO dump, time-based checkpoints and whether an
+    unverified checkpoint may be restored. SIGTERM / SIGINT raise ``TrainingStopped`` once the run's checkpoint at
+    the step boundary is written (the module docstring)."""
+    trust = bool(options is not None and options.trust_unverified)
+    ckpts = Checkpoints(run_dir, tcfg.keep_checkpoints, asynchronous=True, trust_unverified=trust)
+    with StopSignals() as signals:
         try:
-            return _steps(run_dir, cfg, tcfg, job, state, ckpts, last_ckpt, show_progress, max_seconds, trackers,
-                          profile)
+            state, last_ckpt = restore(state, run_dir, ckpts, resume=resume, from_step=from_step, log=log)
+            if on_restored is not None:
+                on_restored()
+            dump_hlo(run_dir, job, options)
+            with open_trackers(run_dir, cfg, tcfg, options, resume) as trackers:
+                profile = Profile(run_dir, options.profile_range() if options is not None else None)
+                try:
+                    session = _Session(run_dir, cfg, tcfg, job, ckpts, trackers, profile, signals, last_ckpt)
+                    return session.run(state, show_progress, max_seconds,
+                                       options.checkpoint_minutes if options is not None else None)
+                except TrainingStopped as exc:
+                    stopped = exc  # not a failure: the trackers end as after a finished session
+                finally:
+                    profile.stop()  # the state given here was donated to the first step: nothing of it to wait for
+            raise stopped
         finally:
-            profile.stop()  # the state given here was donated to the first step: nothing of it to wait for
             ckpts.close()
 
 
-def _steps(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, job: Job, state, ckpts, last_ckpt, show_progress,
-           max_seconds, trackers, profile) -> dict:
-    """``fit``'s loop from the restored state."""
-    metrics_path = run_dir / METRICS_FILE
-    truncate_metrics(metrics_path, int(state.step))
-    start = done = int(state.step)
-    bar = progress_bar(show_progress, start, tcfg.steps)
-    pending, last, result = [], {}, {}
-    t0 = last_time = time.perf_counter()
-    train_seconds, last_step = 0.0, start
-    for s in range(start, tcfg.steps):
-        with profile.step(s):
-            batch, host = job.batches(s, state)
-            state, m = job.update(state, batch, job.frozen)
-        profile.after(s, state)
-        pending.append((s, m, host))
-        cad = Cadence.after(s + 1, tcfg, max_seconds is not None and time.perf_counter() - t0 >= max_seconds,
-                            job.readback_every_step)
-        done = cad.done
-        if not cad.readback:
-            continue
-        rows = read_back(pending, cfg, run_dir, last_ckpt, tcfg.watch_interval)
-        append_metrics(metrics_path, rows)
-        trackers.log(rows)
+class _Session:
+    """``fit``'s loop from the restored state: the steps, their readback, evaluations, checkpoints and a stop."""
+
+    def __init__(self, run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, job: Job, ckpts: Checkpoints, trackers,
+                 profile: Profile, signals: StopSignals, last_ckpt: int | None):
+        self.run_dir, self.cfg, self.tcfg, self.job, self.ckpts = run_dir, cfg, tcfg, job, ckpts
+        self.trackers, self.profile, self.signals, self.last_ckpt = trackers, profile, signals, last_ckpt
+        self.metrics_path = run_dir / METRICS_FILE
+        self.pending, self.last, self.result = [], {}, {}
+        self.train_seconds = self.checkpoint_seconds = 0.0
+
+    def run(self, state, show_progress: bool, max_seconds: float | None, checkpoint_minutes: float | None) -> dict:
+        tcfg, job = self.tcfg, self.job
+        truncate_metrics(self.metrics_path, int(state.step))
+        start = done = self.last_step = int(state.step)
+        self.bar = progress_bar(show_progress, start, tcfg.steps)
+        t0 = self.last_time = time.perf_counter()
+        self.saved_at = clock()
+        for s in range(start, tcfg.steps):
+            if self._stop_asked():
+                self._stop(state, s)
+            with self.profile.step(s):
+                batch, host = job.batches(s, state)
+                state, m = job.update(state, batch, job.frozen)
+            self.profile.after(s, state)
+            self.pending.append((s, m, host))
+            done = s + 1
+            out_of_time = max_seconds is not None and time.perf_counter() - t0 >= max_seconds
+            cad = Cadence.after(done, tcfg, out_of_time, job.readback_every_step)
+            if checkpoint_minutes is not None and not cad.checkpoint and (cad.readback or jax.process_count() == 1):
+                if any_process(clock() - self.saved_at >= 60.0 * checkpoint_minutes):
+                    cad = Cadence.after(done, tcfg, out_of_time, job.readback_every_step, due=True)
+            if cad.readback:
+                self._report(cad, state)
+            else:
+                self.ckpts.poll()
+            if cad.final:
+                break
+        self.bar.close()
+        if not self.result:  # nothing left to train (a resumed finished run): evaluate the restored state
+            self.result = job.evaluate(state)
+        return {"state": state, "summary": self._summary(state, done - start, time.perf_counter() - t0),
+                "last": self.last, "eval": self.result}
+
+    def _report(self, cad: Cadence, state) -> None:
+        """Read the pending steps back (metrics, trackers, progress bar), then evaluate and checkpoint as due."""
+        rows = read_back(self.pending, self.cfg, self.run_dir, self.last_ckpt, self.tcfg.watch_interval)
+        append_metrics(self.metrics_path, rows)
+        self.trackers.log(rows)
         now = time.perf_counter()
-        train_seconds += now - last_time
-        last = rows[-1]
-        bar.set_postfix(**_postfix(last, done - last_step, now - last_time, job))
-        bar.update(done - last_step)
+        self.train_seconds += now - self.last_time
+        self.last = rows[-1]
+        self.bar.set_postfix(**_postfix(self.last, cad.done - self.last_step, now - self.last_time, self.job))
+        self.bar.update(cad.done - self.last_step)
         if cad.evaluate:
-            result = job.evaluate(state)
+            result = self.job.evaluate(state)
             if result:
-                append_metrics(metrics_path, [{"step": done, **result}])
-                trackers.log([{"step": done, **result}])
-                bar.write(f"step {done}: {job.describe(result)}")
+                self.result = result
+                append_metrics(self.metrics_path, [{"step": cad.done, **result}])
+                self.trackers.log([{"step": cad.done, **result}])
+                self.bar.write(f"step {cad.done}: {self.job.describe(result)}")
         if cad.checkpoint:
-            ckpts.save(done, state)
-            last_ckpt = done
-        last_time, last_step = time.perf_counter(), done
-        if cad.final:
-            break
-    bar.close()
-    if not result:  # nothing left to train (a resumed finished run): evaluate the restored state
-        result = job.evaluate(state)
-    steps_run = done - start
-    summary = {"steps": int(state.step), "steps_this_session": steps_run, "wall_seconds": time.perf_counter() - t0,
-               "train_seconds": train_seconds,
-               "steps_per_second": steps_run / train_seconds if train_seconds else None, **result}
-    if job.tokens_per_step:
-        summary["tokens_per_second"] = steps_run * job.tokens_per_step / train_seconds if train_seconds else None
-        summary["flops_per_token"] = job.flops_per_token
-    return {"state": state, "summary": summary, "last": last, "eval": result}
+            self._save(cad.done, state)
+        else:
+            self.ckpts.poll()
+        self.last_time, self.last_step = time.perf_counter(), cad.done
+
+    def _save(self, done: int, state) -> None:
+        start = time.perf_counter()
+        self.ckpts.save(done, state)
+        self.last_ckpt, self.saved_at = done, clock()
+        self.checkpoint_seconds += time.perf_counter() - start
+
+    def _stop_asked(self) -> bool:
+        """A stop signal arrived (in any process: with several, asked only at readback boundaries, where every
+        process asks)."""
+        if jax.process_count() == 1:
+            return self.signals.received is not None
+        return not self.pending and any_process(self.signals.received is not None)
+
+    def _stop(self, state, done: int) -> None:
+        """End the run at step ``done``: the steps in flight read back, a checkpoint there (none before the first
+        step), then ``TrainingStopped``."""
+        save = done > 0 and done != self.last_ckpt
+        if self.pending:
+            self._report(Cadence(done, final=True, evaluate=False, checkpoint=save, readback=True), state)
+        elif save:
+            self._save(done, state)
+        self.ckpts.finish()
+        self.bar.close()
+        name = self.signals.received or "a signal to another process"
+        kept = (f"checkpoint {done} is in {self.ckpts.step_dir(done)}" if self.last_ckpt == done else
+                "no checkpoint was written yet")
+        raise TrainingStopped(f"stopped by {name} at step {done} of {self.tcfg.steps}; {kept}; continue with "
+                              f"`{resume_command(self.run_dir)}`", name, done)
+
+    def _summary(self, state, steps_run: int, wall: float) -> dict:
+        seconds, job = self.train_seconds, self.job
+        summary = {"steps": int(state.step), "steps_this_session": steps_run, "wall_seconds": wall,
+                   "train_seconds": seconds, "checkpoint_seconds": self.checkpoint_seconds,
+                   "steps_per_second": steps_run / seconds if seconds else None, **self.result}
+        if job.tokens_per_step:
+            summary["tokens_per_second"] = steps_run * job.tokens_per_step / seconds if seconds else None
+            summary["flops_per_token"] = job.flops_per_token
+        return summary

@@ -231,7 +231,8 @@ def describe(cfg: ModelConfig, corpus, log) -> None:
         f"vocab {cfg.vocab_size}; {jax.device_count()} device(s)")
 
 
-def run_configs(run_dir: Path, cfg, tcfg, spec, resume: bool, changes, from_step, branch) -> tuple:
+def run_configs(run_dir: Path, cfg, tcfg, spec, resume: bool, changes, from_step, branch,
+                trust_unverified: bool = False) -> tuple:
     """(model config, train config, data spec, resume plan, parent run, provenance) of a pretraining run: the
     ones given (a new run), the run's own with ``changes`` (a resume, checked by ``plan_resume``), or the parent's
     with the branch's steps (a branch, checked by ``branch_configs``)."""
@@ -239,7 +240,7 @@ def run_configs(run_dir: Path, cfg, tcfg, spec, resume: bool, changes, from_step
         raise ConfigError(f"--from-step {from_step} continues a run from one of its checkpoints: it needs --resume")
     if resume:
         cfg, tcfg, spec = check_same_run(run_dir, cfg, tcfg, spec, changes)
-        return cfg, tcfg, spec, plan_resume(run_dir, tcfg, from_step), None, {}
+        return cfg, tcfg, spec, plan_resume(run_dir, tcfg, from_step, trust_unverified), None, {}
     if branch is not None:
         parent, tcfg = branch_configs(branch)
         return (parent.cfg, tcfg, parent.record.data, None, parent,
@@ -266,8 +267,9 @@ def train_run(run_dir, cfg: ModelConfig | None, tcfg: TrainConfig | None, spec: 
     if not main:  # every process computes the same; process 0 alone reports and writes
         log, show_progress = (lambda *a, **k: None), False
     check_run_dir(run_dir, resume)
+    trust = bool(options is not None and options.trust_unverified)
     cfg, tcfg, spec, plan, parent, provenance = run_configs(run_dir, cfg, tcfg, spec, resume, changes, from_step,
-                                                            branch)
+                                                            branch, trust)
     tok, text = read_text_and_tokenizer(parent.path if parent else run_dir, spec, cache_dir, tcfg.objective)
     cfg = finalize_config(cfg, tok, tcfg)
     if sizing is not None:
@@ -289,7 +291,7 @@ def train_run(run_dir, cfg: ModelConfig | None, tcfg: TrainConfig | None, spec: 
     sync("checked")  # every process has checked the directory before process 0 writes to it
     with locked_run_dir(run_dir, resume):
         if resume and main:  # again under the lock: another run may have changed the directory since
-            plan = plan_resume(run_dir, check_same_run(run_dir, None, tcfg, None)[1], from_step)
+            plan = plan_resume(run_dir, check_same_run(run_dir, None, tcfg, None)[1], from_step, trust)
         elif main:
             write_run(run_dir, cfg, tcfg, RunRecord(kind="pretrain", data=spec, provenance=provenance))
             tok.save(run_dir)

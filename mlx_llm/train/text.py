@@ -22,6 +22,7 @@ import glob as globlib
 import hashlib
 import logging
 import os
+import stat
 import sysconfig
 from pathlib import Path
 from typing import Sequence
@@ -53,11 +54,13 @@ class CorpusStats:
     n_bytes: int = 0  # UTF-8 bytes kept
     empty_files: list[str] = dataclasses.field(default_factory=list)
     non_utf8_files: list[str] = dataclasses.field(default_factory=list)
+    not_regular_files: list[str] = dataclasses.field(default_factory=list)  # named pipes, sockets, devices
 
     def describe(self) -> str:
+        odd = f", {len(self.not_regular_files)} not regular files" if self.not_regular_files else ""
         return (
             f"{self.source}: {self.n_documents} documents ({self.n_bytes / 1e6:.2f} MB) kept of {self.n_files} files; "
-            f"skipped {len(self.empty_files)} empty, {len(self.non_utf8_files)} not UTF-8"
+            f"skipped {len(self.empty_files)} empty, {len(self.non_utf8_files)} not UTF-8{odd}"
         )
 
 
@@ -115,6 +118,9 @@ def find_files(path=None, extensions: Sequence[str] = DEFAULT_EXTENSIONS) -> tup
             found, where = [(p.name, p)], f"the file {p}"
         elif p.is_dir():
             found, where = _walk(p, exts), f"files ending in {', '.join(exts)} under {p}"
+        elif p.exists():
+            raise DataError(f"data path {p} is not a regular file or a directory (a named pipe, socket or device?): "
+                            f"only regular files are read")
         elif any(c in str(path) for c in "*?["):
             found, where = _glob(str(p), exts), f"the glob {str(path)!r}"
         else:
@@ -151,6 +157,9 @@ def read_documents(files: list[tuple[str, Path]], source: str, on_decode_error: 
         raise ConfigError(f"on_decode_error = {on_decode_error!r} is invalid: use one of {_DECODE_POLICIES}")
     stats, docs = CorpusStats(source=source, n_files=len(files)), []
     for name, p in files:
+        if not _regular(p):  # a named pipe would block the read forever; a device need not end
+            stats.not_regular_files.append(name)
+            continue
         text = _decode(p.read_bytes(), name, on_decode_error)
         if text is None:
             stats.non_utf8_files.append(name)
@@ -162,13 +171,25 @@ def read_documents(files: list[tuple[str, Path]], source: str, on_decode_error: 
     stats.n_documents = len(docs)
     if stats.non_utf8_files:
         log.warning("skipped %d non-UTF-8 files (first: %s)", len(stats.non_utf8_files), stats.non_utf8_files[0])
+    if stats.not_regular_files:
+        log.warning("skipped %d entries that are not regular files (named pipes, sockets, devices): %s",
+                    len(stats.not_regular_files), ", ".join(stats.not_regular_files[:5]))
     if not docs:
         raise DataError(
             f"empty corpus: searched {source}; found {len(files)} files"
             + (f", {len(stats.empty_files)} empty" if stats.empty_files else "")
             + (f", {len(stats.non_utf8_files)} not UTF-8 (skipped)" if stats.non_utf8_files else "")
+            + (f", {len(stats.not_regular_files)} not regular files (skipped)" if stats.not_regular_files else "")
         )
     return docs, stats
+
+
+def _regular(path: Path) -> bool:
+    """Whether ``path`` (links followed) is a regular file: only those are read."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
 
 
 def val_score(name: str) -> float:
