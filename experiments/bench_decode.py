@@ -15,10 +15,11 @@ float32 array, best of several) and reports the fraction of the weight-streaming
 
     bound per token = (bytes of weights read per token + bytes of K/V cache read per token) / bandwidth
 
-Any variant: ``--config experiments/configs/mamba.json`` (or hybrid.json, moe.json) decodes that model (its
-max_seq_len raised to fit the contexts). The table then shows the decode state's bytes at each context: the K/V
-cache of attention layers grows with it, a Mamba layer's (conv window, SSM state) does not, so a pure-SSM
-model's per-token time is flat in the context while the recompute column still grows.
+Any variant: ``--config experiments/configs/mamba.json`` (or hybrid.json, moe.json, sliding.json) decodes that
+model (its max_seq_len raised to fit the contexts). The table then shows the decode state's bytes at each context:
+the K/V cache of attention layers grows with it, a Mamba layer's (conv window, SSM state) does not, nor does a
+sliding-window layer's ring buffer once the context passes its W slots (sliding.json: W = 128), so a pure-SSM or
+pure-local model's per-token time is flat in the context while the recompute column still grows.
 
 With the ``hf`` extra installed it also runs transformers' ``generate(do_sample=False)`` on the same weights
 (``experiments/hf_twin.py``), checks the greedy tokens are identical and prints the tokens/s ratio, end to end and

@@ -67,7 +67,7 @@ def main() -> None:
         cfg = open_run(args.out / name).cfg
         params = load_params(args.out / name)
         tok = tok_lib.load(args.out / name)
-        prompt = np.array([[tok.bos_id]], np.int32)
+        prompt = tok.bos_prefix[None].astype(np.int32)
         if objective == "ar":
             gen = {"cached": args.length / best_seconds(
                 lambda: generate(params, cfg, prompt, args.length).tokens, args.repeats)}

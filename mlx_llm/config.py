@@ -17,14 +17,17 @@ from mlx_llm.layers import layout  # the parameter layout the counts below sum (
 _POSITIVE_INTS = ("vocab_size", "d_model", "n_layers", "max_seq_len")
 
 # Sublayer kinds (DESIGN §1, "Variants") and the fields each one needs.
-MIXER_KINDS = ("attn", "mamba")
+MIXER_KINDS = ("attn", "local", "mamba")  # "local": sliding-window attention over the last sliding_window positions
+ATTENTION_KINDS = ("attn", "local")  # the mixer kinds that are attention (same keys, layers/attention.py)
+ROPE_SCALINGS = ("none", "linear", "llama3", "yarn", "dynamic")  # ModelConfig.rope_scaling (layers/rope_scaling.py)
 FFN_KINDS = ("swiglu", "moe", "none")
 ROUTERS = ("sigmoid", "softmax")
 OBJECTIVES = ("ar", "diffusion")  # TrainConfig.objective
 MESH_AXES = ("data", "fsdp", "tensor")  # TrainConfig.mesh (train/parallel.py)
 REMAT_POLICIES = ("none", "full", "dots")  # TrainConfig.remat (model.run_stack)
 SSM_SCANS = ("fused", "associative", "chunked", "auto")  # how the Mamba recurrence runs (layers/mamba.py)
-_NEEDS = {"attn": ("n_heads", "n_kv_heads", "d_head"), "mamba": (), "swiglu": ("d_ff",),
+_NEEDS = {"attn": ("n_heads", "n_kv_heads", "d_head"), "local": ("n_heads", "n_kv_heads", "d_head", "sliding_window"),
+          "mamba": (), "swiglu": ("d_ff",),
           "moe": ("n_experts", "moe_top_k", "moe_d_ff"), "none": ()}
 
 
@@ -83,6 +86,23 @@ class ModelConfig(JsonConfig):
     ``rope_scale`` multiplies every position before rotation (position interpolation, U19 §7):
     0.25 makes position 6000 act as 1500.
 
+    RoPE scaling (``rope_scaling``, layers/rope_scaling.py; each equal to transformers' ``ROPE_INIT_FUNCTIONS``):
+    "none"; "linear" (position interpolation by ``rope_scale``, above; a config with rope_scale ≠ 1 is "linear");
+    "llama3" (Llama 3.1's frequency bands: wavelengths longer than original/``rope_low_freq_factor`` are divided
+    by ``rope_factor``, shorter than original/``rope_high_freq_factor`` kept, smoothly blended between);
+    "yarn" (Peng et al. 2023, "YaRN": NTK-by-parts interpolation between dimensions that turn fewer than
+    ``rope_beta_slow`` and more than ``rope_beta_fast`` times over ``rope_original_max_len``, plus the attention
+    temperature ``rope_attention_factor``, default 0.1·ln(factor) + 1 or the ratio of ``rope_mscale`` and
+    ``rope_mscale_all_dim`` terms); "dynamic" (dynamic NTK: beyond ``rope_original_max_len`` positions the base
+    grows as base·((s·T/T₀) − (s − 1))^(d_h/(d_h−2)) for the longest position T of the call).
+    ``rope_original_max_len`` defaults to ``max_seq_len``.
+
+    ``qkv_bias`` adds biases to the Q, K and V projections (Qwen2); ``qk_norm`` applies a per-head RMSNorm over
+    d_h to Q and K before RoPE (Qwen3; gains ``q_norm``, ``k_norm``). Mixer kind "local" is attention that reads
+    only the last ``sliding_window`` positions (itself included; Mistral, Beltagy et al. 2020's Longformer
+    window); alternating "local" and "attn" in ``mixer_pattern`` gives local/global stacks. Decoding keeps a
+    ring buffer of ``sliding_window`` slots per local layer, so its cache stops growing with the context.
+
     Mixture of experts (M20 §15, U19 §3): ``n_experts`` routed experts X, ``n_shared_experts`` S (always run),
     ``moe_top_k`` k selected per token, each expert a SwiGLU of width ``moe_d_ff``; ``router`` "sigmoid"
     (M20 §15: w_e = a_e/(ε_r + Σ_S a_j), ε_r = ``router_eps``) or "softmax" (U19 §3: softmax over the selected
@@ -103,6 +123,20 @@ class ModelConfig(JsonConfig):
     d_ff: int | None = None
     rope_base: float = 10000.0
     rope_scale: float = 1.0
+    rope_scaling: str = "none"
+    rope_factor: float = 1.0
+    rope_original_max_len: int | None = None
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_mscale: float | None = None
+    rope_mscale_all_dim: float | None = None
+    rope_attention_factor: float | None = None
+    rope_truncate: bool = True
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
     norm_eps: float = 1e-6
     tie_embeddings: bool = False
     causal: bool = True
@@ -127,25 +161,25 @@ class ModelConfig(JsonConfig):
             _require_int(self, name, minimum=1)
         for name in ("rope_base", "rope_scale", "norm_eps"):
             _require_float(self, name, positive=True)
-        if not isinstance(self.tie_embeddings, bool):
-            raise ConfigError(f"ModelConfig.tie_embeddings = {self.tie_embeddings!r} is invalid: it must be true or false")
-        if not isinstance(self.causal, bool):
-            raise ConfigError(f"ModelConfig.causal = {self.causal!r} is invalid: it must be true or false")
+        for name in ("tie_embeddings", "causal", "qkv_bias", "qk_norm", "rope_truncate"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"ModelConfig.{name} = {getattr(self, name)!r} is invalid: it must be true or false")
         self._check_patterns()
-        if not self.causal and "mamba" in self.mixer_pattern:
-            raise ConfigError("ModelConfig.causal = false cannot be used with Mamba layers: a Mamba mixer reads only "
-                              "earlier positions; a bidirectional denoiser needs mixer_pattern ['attn']")
+        if not self.causal and set(self.mixer_pattern) != {"attn"}:
+            raise ConfigError("ModelConfig.causal = false cannot be used with Mamba or sliding-window layers: they "
+                              "read only earlier positions; a bidirectional denoiser needs mixer_pattern ['attn']")
         for kind in sorted(set(self.mixer_pattern) | set(self.ffn_pattern)):
             for name in _NEEDS[kind]:
                 if getattr(self, name) is None:
                     raise ConfigError(f"ModelConfig.{name} is not set: layers of kind {kind!r} need it "
                                       f"(a positive integer)")
-        for name in ("n_heads", "n_kv_heads", "d_head", "d_ff", "n_experts", "moe_top_k", "moe_d_ff"):
+        for name in ("n_heads", "n_kv_heads", "d_head", "d_ff", "n_experts", "moe_top_k", "moe_d_ff", "sliding_window"):
             if getattr(self, name) is not None:
                 _require_int(self, name, minimum=1)
         _require_int(self, "n_shared_experts", minimum=0)
-        if "attn" in self.mixer_pattern:
+        if self.attention:
             self._check_attention()
+            self._check_rope()
         if "moe" in self.ffn_pattern:
             self._check_moe()
         if "mamba" in self.mixer_pattern:
@@ -180,6 +214,35 @@ class ModelConfig(JsonConfig):
                 f"ModelConfig.d_head = {self.d_head} is odd: RoPE rotates coordinate pairs, so d_head must be even"
             )
 
+    def _check_rope(self) -> None:
+        if self.rope_scaling not in ROPE_SCALINGS:
+            raise ConfigError(f"ModelConfig.rope_scaling = {self.rope_scaling!r} is invalid: valid types are "
+                              f"{list(ROPE_SCALINGS)}")
+        if self.rope_scale != 1.0 and self.rope_scaling == "none":  # configs written before rope_scaling existed
+            object.__setattr__(self, "rope_scaling", "linear")
+        if self.rope_scale != 1.0 and self.rope_scaling != "linear":
+            raise ConfigError(f"ModelConfig.rope_scale = {self.rope_scale!r} is linear position interpolation: it "
+                              f"cannot be combined with rope_scaling = {self.rope_scaling!r} (set rope_scale to 1)")
+        for name in ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_beta_fast",
+                     "rope_beta_slow"):
+            _require_float(self, name, positive=True)
+        for name in ("rope_mscale", "rope_mscale_all_dim", "rope_attention_factor"):
+            if getattr(self, name) is not None:
+                _require_float(self, name, positive=True)
+        if self.rope_original_max_len is not None:
+            _require_int(self, "rope_original_max_len", minimum=1)
+        if self.rope_scaling in ("llama3", "yarn", "dynamic") and not self.rope_factor >= 1.0:
+            raise ConfigError(f"ModelConfig.rope_factor = {self.rope_factor!r} is invalid for rope_scaling = "
+                              f"{self.rope_scaling!r}: the context-extension factor must be >= 1")
+        if self.rope_scaling == "llama3" and not self.rope_high_freq_factor > self.rope_low_freq_factor:
+            raise ConfigError(f"ModelConfig.rope_high_freq_factor = {self.rope_high_freq_factor!r} must exceed "
+                              f"rope_low_freq_factor = {self.rope_low_freq_factor!r} (llama3 blends between them)")
+
+    @property
+    def rope_original_len(self) -> int:
+        """T₀, the context the RoPE scaling extends (``rope_original_max_len``, default ``max_seq_len``)."""
+        return self.rope_original_max_len or self.max_seq_len
+
     def _check_moe(self) -> None:
         if not 1 <= self.moe_top_k <= self.n_experts:
             raise ConfigError(f"ModelConfig.moe_top_k = {self.moe_top_k} is invalid: it must be in [1, n_experts = "
@@ -200,6 +263,16 @@ class ModelConfig(JsonConfig):
                               f"{list(SSM_SCANS)}")
 
     # ----- the stack ---------------------------------------------------------------------------------
+    @property
+    def attention(self) -> bool:
+        """Whether any layer is attention (full or sliding-window)."""
+        return any(k in ATTENTION_KINDS for k in self.mixer_pattern)
+
+    def window(self, kind: str) -> int | None:
+        """The number of positions a query of mixer kind ``kind`` reads (itself included): ``sliding_window``
+        for "local", None (every earlier position) otherwise."""
+        return self.sliding_window if kind == "local" else None
+
     @property
     def period(self) -> int:
         """P = lcm of the pattern lengths: layer ℓ and layer ℓ + P are of the same kinds."""

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mlx_llm.kernels.loss import choose_chunk, chunked_token_nll_lse
-from mlx_llm.config import ModelConfig
+from mlx_llm.config import ATTENTION_KINDS, ModelConfig
 from mlx_llm.errors import InputError
 from mlx_llm.kernels import REFERENCE, Kernels, attention_path
 from mlx_llm.layers import attention, ffn, initializers, layout, mamba, moe
@@ -38,11 +38,20 @@ from mlx_llm.ops import causal_mask, dense, document_mask, rms_norm
 
 Params = dict
 
-MIXERS = {"attn": attention, "mamba": mamba}
+MIXERS = {"attn": attention, "local": attention, "mamba": mamba}
 FFNS = {"swiglu": ffn, "moe": moe}
 # Normal draws each kind's ``init`` makes (the key stream is split once, so the dense layout draws exactly the
 # keys it always drew: embed, wq, wk, wv, wo, w_gate, w_up, w_down, unembed).
 _DRAWS = {kind: layout.draws(table) for kind, table in layout.KINDS.items()}
+
+
+class RingContext(NamedTuple):
+    """Cached decoding through sliding-window layers (``decode.state.ring_context``): which of the W ring slots
+    and T new positions each new query reads (B, T, W + T), and the ring slot each new position is written to
+    (B, T; W = dropped)."""
+
+    mask_BTS: jax.Array
+    slots_BT: jax.Array
 
 
 class Context(NamedTuple):
@@ -55,6 +64,7 @@ class Context(NamedTuple):
     segment_ids_BT: jax.Array | None = None
     slots_BT: jax.Array | None = None  # cached decoding only: where new K/V are written
     kernels: Kernels = REFERENCE
+    ring: RingContext | None = None  # cached decoding through sliding-window layers only
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32) -> Params:
@@ -121,7 +131,10 @@ def apply_layer(h_BTD, layer, kinds: tuple[str, str], cfg: ModelConfig, ctx: Con
     Returns (H', aux): aux holds the MoE expert load under the key of the offsets it steers, else {}.
     """
     mixer_kind, ffn_kind = kinds
-    h_BTD = MIXERS[mixer_kind].branch(h_BTD, layer, cfg, ctx)
+    if mixer_kind in ATTENTION_KINDS:
+        h_BTD = attention.branch(h_BTD, layer, cfg, ctx, window=cfg.window(mixer_kind))
+    else:
+        h_BTD = MIXERS[mixer_kind].branch(h_BTD, layer, cfg, ctx)
     if ffn_kind == "none":
         return h_BTD, {}
     if ffn_kind == "moe":
@@ -207,7 +220,7 @@ def hidden_states(params: Params, tokens_BT, cfg: ModelConfig, *, positions_BT=N
     if positions_BT is None:
         positions_BT = jnp.broadcast_to(jnp.arange(t), (b, t))
     mask_BTS = None
-    if attention_path(kernels, t) == "xla" and "attn" in cfg.mixer_pattern:  # built once, shared by every layer
+    if attention_path(kernels, t) == "xla" and cfg.attention:  # built once, shared by every layer
         mask_BTS = (causal_mask if cfg.causal else document_mask)(segment_ids_BT, b, t)
     ctx = Context(positions_BT, mask_BTS, segment_ids_BT, kernels=kernels)
     h_BTD, aux = run_stack(embed(params, tokens_BT), params, cfg, ctx, remat)

@@ -29,19 +29,33 @@ def rope_frequencies(d_head: int, base: float, dtype=jnp.float32) -> jax.Array:
     return jnp.asarray(base, dtype) ** (-2.0 * i / d_head)
 
 
+def rope_rotate(x_BTHK: jax.Array, positions_BT: jax.Array, omega_K2: jax.Array, *, position_scale: float = 1.0,
+                attention_factor: float = 1.0) -> jax.Array:
+    """rotate_half RoPE with given inverse frequencies: pair (a, b) = (x_i, x_{i+K/2}) turns by angle
+    (position_scale·p)·ω_i, and cos and sin are multiplied by ``attention_factor`` (transformers' attention
+    scaling, so rotated q·k scores scale by its square; layers/rope_scaling.py gives both tables).
+
+    Computed in at least float32 (float64 for float64 inputs); returned in ``x_BTHK``'s dtype.
+    """
+    k = x_BTHK.shape[-1]
+    dtype = _accum_dtype(x_BTHK.dtype)
+    omega = jnp.asarray(omega_K2).astype(dtype)
+    angle_BTK = (positions_BT.astype(dtype) * position_scale)[..., None] * omega
+    cos, sin = jnp.cos(angle_BTK)[:, :, None, :], jnp.sin(angle_BTK)[:, :, None, :]
+    if not (isinstance(attention_factor, (int, float)) and attention_factor == 1.0):  # 1.0: leave cos/sin as they are
+        cos, sin = cos * attention_factor, sin * attention_factor
+    x = x_BTHK.astype(dtype)
+    a, b = x[..., : k // 2], x[..., k // 2 :]
+    return jnp.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1).astype(x_BTHK.dtype)
+
+
 def rope(x_BTHK: jax.Array, positions_BT: jax.Array, base: float, scale: float = 1.0) -> jax.Array:
     """M20 §5 rotate_half RoPE: pair (a, b) = (x_i, x_{i+K/2}) turns by angle (scale·p)·ω_i.
 
     ``scale`` < 1 is position interpolation (U19 §7): position p acts as scale·p.
     """
-    k = x_BTHK.shape[-1]
-    dtype = _accum_dtype(x_BTHK.dtype)
-    omega = rope_frequencies(k, base, dtype)
-    angle_BTK = (positions_BT.astype(dtype) * scale)[..., None] * omega
-    cos, sin = jnp.cos(angle_BTK)[:, :, None, :], jnp.sin(angle_BTK)[:, :, None, :]
-    x = x_BTHK.astype(dtype)
-    a, b = x[..., : k // 2], x[..., k // 2 :]
-    return jnp.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1).astype(x_BTHK.dtype)
+    omega = rope_frequencies(x_BTHK.shape[-1], base, _accum_dtype(x_BTHK.dtype))
+    return rope_rotate(x_BTHK, positions_BT, omega, position_scale=scale)
 
 
 def causal_mask(segment_ids_BT: jax.Array | None, batch: int, length: int) -> jax.Array:
@@ -53,6 +67,17 @@ def causal_mask(segment_ids_BT: jax.Array | None, batch: int, length: int) -> ja
     if segment_ids_BT is not None:
         mask_BTS = mask_BTS & (segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :])
     return mask_BTS
+
+
+def window_band(mask_BTS: jax.Array, window: int | None, offset_BT: jax.Array | None = None) -> jax.Array:
+    """``mask_BTS`` restricted to a sliding window: query i reads key r only if i − r < ``window`` (itself and the
+    ``window`` − 1 positions before it; Mistral's convention). ``offset_BT``: absolute query positions when the
+    queries are not keys 0 … T−1 of the same row (cached decoding); keys are slots 0 … S−1. None: no window."""
+    if window is None:
+        return mask_BTS
+    t, s = mask_BTS.shape[-2:]
+    q_BT1 = (jnp.arange(t)[None, :] if offset_BT is None else offset_BT)[..., None]
+    return mask_BTS & (q_BT1 - jnp.arange(s)[None, None, :] < window)
 
 
 def document_mask(segment_ids_BT: jax.Array | None, batch: int, length: int) -> jax.Array:

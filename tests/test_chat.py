@@ -11,7 +11,8 @@ import pytest
 from mlx_llm import forward, init_params
 from mlx_llm.errors import DataError, InputError
 from mlx_llm.objectives.loss import masked_cross_entropy
-from mlx_llm.post.chat import ChatTemplate, read_conversations, training_arrays
+from mlx_llm.post.chat import ChatTemplate, check_messages, read_conversations, training_arrays
+from mlx_llm.post.sft import chat_session
 from mlx_llm.train.tokenizer import ByteTokenizer
 from helpers import tiny_cfg
 
@@ -108,8 +109,33 @@ def _runs(flags):
 GOOD = json.dumps({"messages": CONV[1:3]})
 
 
+def _conv(*turns):
+    return json.dumps({"messages": [{"role": r, "content": c} for r, c in turns]})
+
+
+ORDER = r"valid conversations are an optional first system message, then user and assistant turns alternating"
+
+
 @pytest.mark.parametrize("lines, message", [
     ([GOOD, "{not json"], r"data.jsonl:2: not JSON"),
+    ([GOOD, _conv(("assistant", "hi"), ("user", "x"), ("assistant", "y"))],
+     rf"data.jsonl:2: message 0 is an assistant turn where the user's turn belongs: {ORDER}"),
+    ([_conv(("user", "a"), ("user", "b"), ("assistant", "c"))],
+     rf"data.jsonl:1: message 1 is a user turn where the assistant's turn belongs: {ORDER}"),
+    ([GOOD, GOOD, _conv(("user", "a"), ("assistant", "b"), ("system", "c"), ("user", "d"), ("assistant", "e"))],
+     rf"data.jsonl:3: message 2 is a system message: only the first message may be one; {ORDER}"),
+    ([_conv(("system", "s"), ("system", "t"), ("user", "a"), ("assistant", "b"))],
+     r":1: message 1 is a system message"),
+    ([_conv(("user", "a"), ("assistant", "b"), ("user", "c"))],
+     r"data.jsonl:1: the conversation ends with a user turn: a training conversation ends with the assistant's reply"),
+    ([_conv(("user", "a"), ("assistant", "b"), ("assistant", "c"))], r":1: message 2 is an assistant turn where the "
+                                                                     r"user's turn belongs"),
+    ([json.dumps({"messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "x"}]})],
+     r":1: message 0 \(user\) has content of type int \(5\): content must be a string"),
+    ([json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ["x"]}]})],
+     r":1: message 1 \(assistant\) has content of type list \(\['x'\]\)"),
+    ([json.dumps({"messages": [{"role": "user", "content": None}, {"role": "assistant", "content": "x"}]})],
+     r":1: message 0 \(user\) has content of type NoneType"),
     (['{"conversation": []}'], r"data.jsonl:1: expected an object with a 'messages' list"),
     ([json.dumps({"messages": [{"role": "bot", "content": "hi"}]})], r":1: message 0 has unknown role 'bot'"),
     ([json.dumps({"messages": [{"role": "user", "content": " "}, {"role": "assistant", "content": "x"}]})],
@@ -136,3 +162,45 @@ def test_read_conversations(tmp_path):
     assert len(convs) == 2 and TOK.decode(convs[1][0]) == TEMPLATE.render(CONV)
     with pytest.raises(DataError, match=r"missing.jsonl: no such file"):
         read_conversations(tmp_path / "missing.jsonl", TOK, TEMPLATE, max_len=64)
+
+
+def test_role_orders():
+    """The valid orders (check_messages' docstring) pass, for training and for a prompt."""
+    s, u, a = ({"role": r, "content": r[0]} for r in ("system", "user", "assistant"))
+    for conv in ([u, a], [s, u, a], [u, a, u, a], [s, u, a, u, a]):
+        check_messages(conv)
+        TEMPLATE.encode(conv, TOK)
+    for prompt in ([u], [s, u], [u, a, u], [s, u, a, u]):
+        check_messages(prompt, require_assistant=False)
+        TEMPLATE.encode(prompt, TOK, generation_prompt=True)
+    for bad, message in [([s], r"only a system message"), ([u, a], r"the prompt ends with an assistant turn"),
+                         ([a, u], r"message 0 is an assistant turn")]:
+        with pytest.raises(InputError, match=message):
+            check_messages(bad, require_assistant=False)
+    with pytest.raises(InputError, match=r"the conversation ends with a user turn"):
+        TEMPLATE.render([u, a, u])
+    check_messages([a], order=False)  # a lone reply (a preference pair's side)
+
+
+@pytest.mark.slow
+def test_chat_session_refuses_an_over_long_message_and_goes_on():
+    """A message whose prompt leaves no room in the context is refused with a message; the session continues
+    (the history is kept without it) until an empty line."""
+    cfg = tiny_cfg(vocab_size=TOK.vocab_size, n_layers=1, n_heads=2, n_kv_heads=1, d_head=8, d_ff=16, max_seq_len=40)
+    params = init_params(cfg, jax.random.key(0))
+    lines, out = iter(["x" * 60, "hi", "y" * 33, "2 + 2?", ""]), []
+    status = chat_session(params, cfg, TOK, TEMPLATE, system="Be brief.", max_new_tokens=2, read=lambda _: next(lines),
+                          write=out.append)
+    assert status == 0 and len(out) == 4
+    prompt = len(TEMPLATE.encode([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "x" * 60}],
+                                 TOK, generation_prompt=True)[0])
+    assert out[0] == (f"(not sent: with this message the prompt is {prompt} tokens and the model reads at most 40, "
+                      f"leaving no room for a reply; send a shorter message, or an empty line to end)")
+    assert out[1].startswith("model> ") and out[2].startswith("(not sent: with this message the prompt is ")
+    assert out[3].startswith("model> ")
+
+
+    def read_then_eof(_):
+        raise EOFError
+
+    assert chat_session(params, cfg, TOK, TEMPLATE, read=read_then_eof, write=out.append) == 0 and len(out) == 4

@@ -313,3 +313,16 @@ def test_whole_stdlib_byte_stream(tmp_path):
     assert corpus.val_batches(256, 8).n_bytes == sum(len(d.text.encode()) for d in val_text)
     assert corpus.train.n_tokens > 5_000_000
     assert 3.0 < corpus.unigram_bits_per_byte() < 8.0  # a byte unigram beats 8 bits, but not by much
+
+
+def test_named_pipes_in_a_data_directory_are_skipped_and_named(tmp_path):
+    """A FIFO would block ``read_bytes`` forever: only regular files are read, and what was skipped is counted."""
+    import os
+
+    (tmp_path / "a.py").write_text("x = 1\n" * 20)
+    os.mkfifo(tmp_path / "pipe.py")
+    corpus = D.read_corpus(tmp_path, val_percent=50.0)
+    assert {d.name.split("[")[0] for d in corpus.train + corpus.val} == {"a.py"}
+    assert corpus.stats.not_regular_files == ["pipe.py"] and "1 not regular files" in corpus.stats.describe()
+    with pytest.raises(DataError, match="not a regular file"):
+        D.read_corpus(tmp_path / "pipe.py")

@@ -232,7 +232,7 @@ def test_causal_and_bidirectional_models_refuse_each_others_decoders():
         generate(params(), CFG, np.array([[0, 1]]), 2)
     with pytest.raises(ConfigError, match=r"causal \(causal = true\): it is not a diffusion denoiser"):
         sampler.sample(params(), dataclasses.replace(CFG, causal=True), np.array([[0]]), 2, steps=2, mask_id=MASK)
-    with pytest.raises(ConfigError, match=r"causal = false cannot be used with Mamba layers"):
+    with pytest.raises(ConfigError, match=r"causal = false cannot be used with Mamba or sliding-window layers"):
         dataclasses.replace(CFG, mixer_pattern=("mamba",), ffn_pattern=("none",))
 
 

@@ -32,7 +32,7 @@ CFGS = {
 # The tables the code held before the layout was declared once.
 OLD_TENSOR_AXIS = {
     "embed": 0, "unembed": 1,
-    "wq": 1, "wk": 1, "wv": 1, "wo": 0,
+    "wq": 1, "wk": 1, "wv": 1, "wo": 0, "bq": 0, "bk": 0, "bv": 0,  # the biases split with their heads
     "w_gate": 1, "w_up": 1, "w_down": 0,
     "expert_gate": 2, "expert_up": 2, "expert_down": 1,
     "shared_gate": 2, "shared_up": 2, "shared_down": 1,
@@ -74,7 +74,8 @@ def test_dense_shapes_are_design_s1():
 def test_hybrid_groups_and_shared_experts():
     blocks = layout.param_shapes(CFGS["hybrid"])["blocks"]
     for b, (m, f) in zip(blocks, CFGS["hybrid"].group_kinds):
-        assert sorted(b) == sorted({**layout.KINDS[m], **layout.KINDS[f]})
+        declared = {**layout.KINDS[m], **layout.KINDS[f]}  # less the optional arrays (biases, q/k norms)
+        assert sorted(b) == sorted(k for k, info in declared.items() if info.present is None)
     assert blocks[0]["shared_down"] == (1, 1, 8, 16) and blocks[0]["in_x"] == (1, 16, 32)
     assert blocks[1]["wq"] == (1, 16, 4, 4) and "router" not in blocks[1]
     no_shared = layout.param_shapes(CFGS["moe_tied"])["blocks"]
@@ -115,7 +116,7 @@ def test_moe_without_shared_experts_still_draws_them():
 
 
 def test_draws_per_kind():
-    assert _DRAWS == {"attn": 4, "mamba": 9, "swiglu": 3, "moe": 7, "none": 0}
+    assert _DRAWS == {"attn": 4, "local": 4, "mamba": 9, "swiglu": 3, "moe": 7, "none": 0}
     assert layout.draws(layout.TOP) == 2 and mamba.DRAWS == 9
 
 
@@ -196,10 +197,11 @@ def test_lora_count_matches_declared_matrices():
 def test_roles_agree_with_the_optimizer():
     infos = layout.entries()
     norms = {k for k, i in infos.items() if i.role == "norm"}
-    assert norms == {"attn_norm", "ffn_norm", "ssm_norm", "final_norm"}
-    # M20 §12 decays the weight matrices; Mamba's vectors and A_log do not decay (Gu & Dao's _no_weight_decay)
+    assert norms == {"attn_norm", "ffn_norm", "ssm_norm", "final_norm", "q_norm", "k_norm"}
+    # M20 §12 decays the weight matrices; Mamba's vectors and A_log, and the q/k/v biases do not decay (Gu & Dao's
+    # _no_weight_decay; biases are not matrices)
     assert {k for k, i in infos.items() if not i.decayed} == norms | {"router_offset", "conv_b", "dt_bias",
-                                                                      "A_log", "D"}
+                                                                      "A_log", "D", "bq", "bk", "bv"}
     assert tuple(k for k, i in infos.items() if i.role == "state") == optim.ROUTING_STATE_KEYS
 
 

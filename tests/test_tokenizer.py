@@ -184,3 +184,67 @@ def test_load_errors(tmp_path):
     bad.write_text('{"type": "mlx_llm.byte", "special_tokens": ["<|bos|>"]}')
     with pytest.raises(DataError, match="must include '<\\|eos\\|>'"):
         T.load(bad)
+
+
+# ----- roles and chat templates --------------------------------------------------------------------------------
+def test_our_roles_and_unchanged_files(bpe, byte):
+    for tok in (bpe, byte):
+        assert tok.roles == {"bos": "<|bos|>", "eos": "<|eos|>", "pad": "<|pad|>"} and tok.chat_template is None
+        assert tok.bos_prefix.tolist() == [tok.bos_id] and tok.bos_prefix.dtype == np.int32
+    assert bpe.to_json() == bpe.hf.to_str(pretty=False)  # our tokenizers' files (and fingerprints) are as before
+    assert json.loads(byte.to_json()) == {"type": "mlx_llm.byte", "version": 1,
+                                          "special_tokens": list(T.SPECIAL_TOKENS)}
+
+
+def test_other_roles_are_saved_and_fingerprinted(tmp_path, tok):
+    kind = type(tok)
+    specials = list(tok.special_tokens)
+    roles = {"eos": "<|end|>", "pad": "<|eos|>"}
+    other = (T.ByteTokenizer(specials, roles=roles, chat_template="{{ x }}") if kind is T.ByteTokenizer
+             else T.BPETokenizer(tok.hf, specials, roles=roles, chat_template="{{ x }}"))
+    assert other.bos_id is None and other.bos_prefix.tolist() == []
+    assert (other.eos_id, other.pad_id) == (tok.token_id("<|end|>"), tok.token_id("<|eos|>"))
+    no_pad = other.with_chat_template(None)
+    no_pad.roles = {"eos": "<|end|>"}
+    assert no_pad.pad_id == other.eos_id  # no PAD: padding uses EOS
+    back = T.load(other.save(tmp_path / "run"))
+    assert type(back) is kind and back.roles == {"eos": "<|end|>", "pad": "<|eos|>"} and back.chat_template == "{{ x }}"
+    assert back.fingerprint() == other.fingerprint()
+    fingerprints = {tok.fingerprint(), other.fingerprint(), other.with_chat_template("{{ y }}").fingerprint(),
+                    other.with_chat_template(None).fingerprint()}
+    assert len(fingerprints) == 4
+    assert back.encode("hi <|end|>").tolist() == tok.encode("hi <|end|>").tolist()
+    assert tok.chat_template is None and T.load(tok.save(tmp_path / "plain")).fingerprint() == tok.fingerprint()
+
+
+def test_roles_must_name_special_tokens():
+    with pytest.raises(ConfigError, match=r"must include '<\|bos\|>' \(the bos token\)"):
+        T.ByteTokenizer(("<|eos|>", "<|pad|>"))
+    with pytest.raises(ConfigError, match=r"roles = \{'bos': '<\|bos\|>'\} is invalid: .*eos required"):
+        T.ByteTokenizer(roles={"bos": "<|bos|>"})
+    with pytest.raises(ConfigError, match=r"roles = .* is invalid"):
+        T.ByteTokenizer(roles={"eos": "<|eos|>", "unk": "<|pad|>"})
+    with pytest.raises(ConfigError, match=r"chat_template must be a Jinja source string"):
+        T.ByteTokenizer().with_chat_template(3)
+
+
+def test_load_refuses_bad_roles(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"type": "mlx_llm.byte", "special_tokens": ["<|e|>"], "roles": {"eos": "<|x|>"}}))
+    with pytest.raises(DataError, match=r"bad.json: special_tokens = .* must include '<\|x\|>' \(the eos token\)"):
+        T.load(bad)
+    bad.write_text(json.dumps({"type": "mlx_llm.byte", "special_tokens": ["<|e|>"], "roles": ["<|e|>"]}))
+    with pytest.raises(DataError, match=r"its roles must be an object and its chat_template a string"):
+        T.load(bad)
+
+
+@pytest.mark.parametrize("text", ["", "hello world", "naïve 日本 👩‍👩‍👧", "<|eos|> stays text", "  \n\t x"])
+def test_encode_offsets(tok, text):
+    ids, spans = tok.encode_offsets(text)
+    assert ids.tolist() == tok.encode(text).tolist() and spans.shape == (len(ids), 2)
+    assert spans.dtype == np.int64 and np.all(spans[:, 0] < spans[:, 1]) and np.all(np.diff(spans[:, 0]) >= 0)
+    if text:
+        assert spans[0, 0] == 0 and spans[-1, 1] == len(text)
+    for i, (s, e) in zip(ids.tolist(), spans.tolist()):  # each id spells (part of) its own span's characters
+        piece = tok.decode([i])
+        assert piece.replace("\ufffd", "") in text[s:e]

@@ -7,7 +7,10 @@ functions on purpose.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -58,7 +61,82 @@ def lora_config(given: dict) -> LoRAConfig | None:
     return LoRAConfig(**fields) if fields else None
 
 
+# ----- how a training command runs and ends -------------------------------------------------------------------
+def training_command(command):
+    """A training command (train, sft, reward, dpo, rl) runs with jax's persistent compilation cache
+    (``RunOptions.compilation_cache``) and ends in one line, never a traceback: stopped by SIGTERM / SIGINT at a
+    step boundary (``loop.TrainingStopped``: its checkpoint, the resume command) exits 0; a checkpoint that could
+    not be written (``checkpoint.CheckpointWriteError``: a full disk) exits 1; SIGTERM outside the training loop
+    reads as Ctrl-C (``mlx_llm.cli.main``: interrupted, status 130)."""
+
+    @functools.wraps(command)
+    def run(args, given: dict, parser) -> int:
+        import jax
+
+        from mlx_llm.train.checkpoint import CheckpointWriteError
+        from mlx_llm.train.loop import TrainingStopped
+
+        options = RunOptions(**given.get("run", {}))
+        try:
+            with _sigterm_interrupts(), compilation_cache(options.compilation_cache_dir(getattr(args, "cache_dir",
+                                                                                               None))):
+                return command(args, given, parser)
+        except TrainingStopped as stop:
+            if jax.process_index() == 0:
+                print(f"mlx-llm {args.command}: {stop}", file=sys.stderr)
+            return 0
+        except CheckpointWriteError as exc:
+            print(f"mlx-llm {args.command}: error: {exc}", file=sys.stderr)
+            return 1
+
+    return run
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts():
+    """SIGTERM raises KeyboardInterrupt (one line, not a silent exit 143) wherever the training loop's own handler
+    (``loop.StopSignals``) is not installed."""
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+COMPILATION_CACHE_SETTINGS = {"jax_persistent_cache_min_compile_time_secs": 0.0,  # small CPU programs too
+                              "jax_persistent_cache_min_entry_size_bytes": -1}
+
+
+@contextlib.contextmanager
+def compilation_cache(directory: str | None):
+    """jax's persistent compilation cache in ``directory`` (None: off) for one command, every program cached
+    however fast it compiled; jax's settings are restored afterwards. The CLI sets it, the library never does
+    (DESIGN §3); jax decides whether to use a cache at a process's first compile, so a command run in a process
+    that has compiled before (a test) runs uncached."""
+    if directory is None:
+        yield
+        return
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    settings = {"jax_compilation_cache_dir": directory, **COMPILATION_CACHE_SETTINGS}
+    before = {name: getattr(jax.config, name) for name in settings}
+    for name, value in settings.items():
+        jax.config.update(name, value)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            jax.config.update(name, value)
+        cc.reset_cache()
+
+
 # ----- train / eval / compile / generate ----------------------------------------------------------------------
+@training_command
 def cmd_train(args, given: dict, parser) -> int:
     from mlx_llm.train.parallel import init_distributed, is_main_process
     from mlx_llm.train.run import train_run
@@ -181,6 +259,7 @@ def cmd_generate(args, given: dict, parser) -> int:
 
 
 # ----- fine-tuning and preference runs ------------------------------------------------------------------------
+@training_command
 def cmd_post(args, given: dict, parser) -> int:
     """sft / reward / dpo / rl: a new run from --base, or --resume of one (settings checked by the one rule)."""
     from mlx_llm.post import dpo, reward, rl, sft
@@ -246,38 +325,20 @@ def cmd_eval_task(args, given: dict, parser) -> int:
 
 
 def cmd_chat(args, given: dict, parser) -> int:
-    import numpy as np
-
-    from mlx_llm.decode.generate import generate
     from mlx_llm.post.loop import run_template
+    from mlx_llm.post.sft import chat_session
+    from mlx_llm.post.templates import template_for
     from mlx_llm.runs.load import load_params
     from mlx_llm.runs.record import open_run
     from mlx_llm.train import tokenizer as tok_lib
 
     run = open_run(args.run)
     run.require_language_model("chat")
-    cfg, template = run.cfg, run_template(run.record)
     tok, params = tok_lib.load(run.path), load_params(run)
-    messages = [{"role": "system", "content": args.system}] if args.system else []
+    template = template_for(tok, run_template(run.record))  # an imported model's own chat template, if it has one
     print("chat with", args.run, "(an empty line or Ctrl-D ends)")
-    while True:
-        try:
-            line = input("you> ").strip()
-        except EOFError:
-            return 0
-        if not line:
-            return 0
-        messages.append({"role": "user", "content": line})
-        ids, _ = template.encode(messages, tok, generation_prompt=True)
-        n_new = min(args.max_new_tokens, cfg.max_seq_len - len(ids))
-        if n_new < 1:
-            print("(the conversation has reached the model's max_seq_len; start a new one)")
-            return 0
-        out = generate(params, cfg, ids[None], n_new, temperature=args.temperature,
-                       eos_id=tok.token_id(template.end), pad_id=tok.pad_id)
-        text = tok.decode(np.asarray(out.tokens[0])[: int(out.lengths[0])], skip_special=True)
-        print("model>", text)
-        messages.append({"role": "assistant", "content": text if text.strip() else "…"})
+    return chat_session(params, run.cfg, tok, template, system=args.system, max_new_tokens=args.max_new_tokens,
+                        temperature=args.temperature)
 
 
 def cmd_export_merged(args, given: dict, parser) -> int:

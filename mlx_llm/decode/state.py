@@ -4,6 +4,8 @@ One ``DecodeState`` carries what every layer needs to continue a prefix:
 - attention layers: the rotated keys K̃ and the unrotated values 𝖵 of every processed position (M20 §14's
   convention), for the h_kv key/value heads only (GQA, M20 §6), preallocated to ``max_len`` slots; slot s of
   row b holds absolute position s;
+- sliding-window ("local") attention layers: a ring buffer of ``sliding_window`` slots: position p lives in
+  slot p mod W, so the state stops growing once the prefix is longer than the window;
 - Mamba layers: the conv window (the last W−1 conv inputs) and the SSM state (I, N), constant in the prefix.
 ``lengths[b]`` counts the positions row b has processed, so rows of a batch may hold prefixes of different
 lengths. Each kind's arrays are stacked over the layers of that kind, in stack order.
@@ -22,7 +24,8 @@ import numpy as np
 from mlx_llm.config import ModelConfig
 from mlx_llm.errors import InputError
 from mlx_llm.layers import attention, mamba
-from mlx_llm.model import FFNS, Context, Params, check_tokens, embed, layer_list, logits_from_hidden, resolved
+from mlx_llm.model import (FFNS, Context, Params, RingContext, check_tokens, embed, layer_list, logits_from_hidden,
+                           resolved)
 
 from mlx_llm.scaling.accounting import kv_cache_bytes  # noqa: F401  (re-exported: U19 §6's 2·L·t·h_kv·d_h·bytes)
 
@@ -33,8 +36,9 @@ class DecodeState:
 
     k, v: (L_attn, B, S, G, K) — attention layers, batch, slots, key/value heads, head width (slots at or beyond
     ``lengths[b]`` hold no valid position and are never read; zero layers without attention). conv:
-    (L_mamba, B, W−1, I), ssm: (L_mamba, B, I, N), None without Mamba layers. lengths: (B,) int32. Every array
-    but lengths has batch on axis 1 (``reorder_rows``).
+    (L_mamba, B, W−1, I), ssm: (L_mamba, B, I, N), None without Mamba layers. k_ring, v_ring: (L_local, B, W, G,
+    K), None without sliding-window layers. lengths: (B,) int32. Every array but lengths has batch on axis 1
+    (``reorder_rows``). ``max_len`` bounds the positions the state serves (the ring buffers do not).
     """
 
     k: jax.Array
@@ -42,6 +46,8 @@ class DecodeState:
     lengths: jax.Array
     conv: jax.Array | None = None
     ssm: jax.Array | None = None
+    k_ring: jax.Array | None = None  # (L_local, B, W, G, K): sliding-window layers, slot = position mod W
+    v_ring: jax.Array | None = None
 
     @property
     def max_len(self) -> int:
@@ -72,20 +78,22 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) ->
     for name, value in (("batch", batch), ("max_len", max_len)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise InputError(f"init_cache: {name} = {value!r} is invalid: it must be a positive integer")
-    n_attn, n_mamba = len(_layers_of(cfg, "attn")), len(_layers_of(cfg, "mamba"))
+    n_attn, n_mamba, n_local = (len(_layers_of(cfg, kind)) for kind in ("attn", "mamba", "local"))
     kv_shape = (n_attn, batch, max_len, cfg.n_kv_heads or 1, cfg.d_head or 1)
     conv_BWI, ssm_BIN = mamba.init_state(cfg, batch, dtype) if n_mamba else (None, None)
     stack = lambda a: None if a is None else jnp.broadcast_to(a, (n_mamba, *a.shape))
+    ring = (n_local, batch, cfg.sliding_window or 1, cfg.n_kv_heads or 1, cfg.d_head or 1)
+    ring_k, ring_v = (jnp.zeros(ring, dtype), jnp.zeros(ring, dtype)) if n_local else (None, None)
     return DecodeState(k=jnp.zeros(kv_shape, dtype), v=jnp.zeros(kv_shape, dtype),
                        lengths=jnp.zeros((batch,), jnp.int32), conv=stack(conv_BWI),
-                       ssm=stack(ssm_BIN))
+                       ssm=stack(ssm_BIN), k_ring=ring_k, v_ring=ring_v)
 
 
 def reorder_rows(state: DecodeState, rows) -> DecodeState:
     """The state of rows ``rows`` (a gather along the batch axis of every array: beam search, repeats)."""
     take = lambda a: None if a is None else a[:, rows]
     return state.replace(k=take(state.k), v=take(state.v), conv=take(state.conv), ssm=take(state.ssm),
-                         lengths=state.lengths[rows])
+                         k_ring=take(state.k_ring), v_ring=take(state.v_ring), lengths=state.lengths[rows])
 
 
 def _check_capacity(cache: KVCache, n_new_B, t: int) -> None:
@@ -110,9 +118,11 @@ def _cached_layer(carry, layer, kinds, i, cfg: ModelConfig, ctx: Context, n_new_
     """One layer on the new positions; ``i`` is its row among the layers of its mixer kind. Attention writes
     its K̃/𝖵 into the carried cache in place; Mamba advances its conv window and SSM state (rows stop at their
     last real token)."""
-    h_BTD, k, v, conv, ssm = carry
+    h_BTD, k, v, conv, ssm, k_ring, v_ring = carry
     if kinds[0] == "attn":
         h_BTD, k, v = attention.cached_branch(h_BTD, layer, cfg, ctx, k, v, i)
+    elif kinds[0] == "local":
+        h_BTD, k_ring, v_ring = attention.ring_branch(h_BTD, layer, cfg, ctx, k_ring, v_ring, i)
     else:
         h_BTD, conv_i, ssm_i = mamba.advance(h_BTD, layer, cfg, conv[i], ssm[i], n_new_B)
         conv, ssm = conv.at[i].set(conv_i), ssm.at[i].set(ssm_i)
@@ -120,7 +130,7 @@ def _cached_layer(carry, layer, kinds, i, cfg: ModelConfig, ctx: Context, n_new_
         h_BTD, _ = FFNS["moe"].branch(h_BTD, layer, cfg, impl=ctx.kernels.moe_impl, interpret=ctx.kernels.interpret)
     elif kinds[1] != "none":
         h_BTD, _ = FFNS[kinds[1]].branch(h_BTD, layer, cfg)
-    return h_BTD, k, v, conv, ssm
+    return h_BTD, k, v, conv, ssm, k_ring, v_ring
 
 
 def unstack_layers(params: Params, cfg: ModelConfig) -> list[dict]:
@@ -136,6 +146,29 @@ def require_causal(cfg: ModelConfig) -> None:
         raise InputError("this model is bidirectional (causal = false): it has no KV cache and no next-token "
                          "decoding; sample it with mlx_llm.decode.diffusion.sample (the CLI does this for a "
                          "diffusion run)")
+
+
+def ring_context(cfg: ModelConfig, lengths_B, n_new_B, t: int) -> RingContext:
+    """What every sliding-window layer of one cached call shares (W = ``cfg.sliding_window``).
+
+    Before the call, ring slot s of row b holds the latest position p < lengths[b] with p ≡ s (mod W),
+    p = n − 1 − ((n − 1 − s) mod W) for n = lengths[b] (none when p < 0). New token t at position q = n + t reads
+    slot s iff it holds a position p > q − W, and new token t' ≤ t iff t' is real and t − t' < W. Afterwards the
+    last min(W, n_new) real new positions are written to slots p mod W (distinct: fewer than W + 1 consecutive
+    positions); the others are dropped (slot W, out of range), as their keys have left every later window."""
+    w = cfg.sliding_window
+    n_B1 = lengths_B[:, None]
+    s_W = jnp.arange(w, dtype=jnp.int32)
+    t_T = jnp.arange(t, dtype=jnp.int32)
+    held_BW = n_B1 - 1 - jnp.mod(n_B1 - 1 - s_W[None, :], w)
+    q_BT = n_B1 + t_T[None, :]
+    ring_BTW = (held_BW[:, None, :] >= 0) & (held_BW[:, None, :] > q_BT[:, :, None] - w)
+    d_TT = t_T[:, None] - t_T[None, :]
+    new_BTT = (d_TT >= 0) & (d_TT < w) & (t_T[None, None, :] < n_new_B[:, None, None])
+    new_end_B1 = n_B1 + n_new_B[:, None]
+    kept_BT = (t_T[None, :] < n_new_B[:, None]) & (q_BT >= new_end_B1 - w)
+    return RingContext(mask_BTS=jnp.concatenate([ring_BTW, new_BTT], axis=-1),
+                       slots_BT=jnp.where(kept_BT, jnp.mod(q_BT, w), w))
 
 
 def forward_cached(params: Params, tokens_BT, cache: KVCache, cfg: ModelConfig, *, n_new_B=None, layers=None,
@@ -168,14 +201,15 @@ def forward_cached(params: Params, tokens_BT, cache: KVCache, cfg: ModelConfig, 
     mask_BTS = (s_S <= positions_BT[:, :, None]) & (s_S < new_lengths_B[:, None, None])
     slots_BT = jnp.where(t_T[None, :] < n_new_B[:, None], positions_BT, cache.max_len)
 
-    ctx = Context(positions_BT, None if fresh else mask_BTS, slots_BT=slots_BT, kernels=resolved(kernels))
-    carry = (embed(params, tokens_BT), cache.k, cache.v, cache.conv, cache.ssm)
+    ring = ring_context(cfg, cache.lengths, n_new_B, t) if cache.k_ring is not None else None
+    ctx = Context(positions_BT, None if fresh else mask_BTS, slots_BT=slots_BT, kernels=resolved(kernels), ring=ring)
+    carry = (embed(params, tokens_BT), cache.k, cache.v, cache.conv, cache.ssm, cache.k_ring, cache.v_ring)
     index = kind_index(cfg)
     if layers is not None:
         for l, layer in enumerate(layers):
             carry = _cached_layer(carry, layer, cfg.layer_kinds(l), index[l], cfg, ctx, n_new_B)
     else:
-        per_period = {kind: sum(k[0] == kind for k in cfg.group_kinds) for kind in ("attn", "mamba")}
+        per_period = {kind: sum(k[0] == kind for k in cfg.group_kinds) for kind in ("attn", "local", "mamba")}
 
         def step(carry, xs):
             group, g = xs
@@ -187,6 +221,6 @@ def forward_cached(params: Params, tokens_BT, cache: KVCache, cfg: ModelConfig, 
 
         n_groups = jnp.arange(cfg.n_layers // cfg.period, dtype=jnp.int32)
         carry, _ = jax.lax.scan(step, carry, (params["blocks"], n_groups))
-    h_BTD, k, v, conv, ssm = carry
-    return logits_from_hidden(h_BTD, params, cfg), cache.replace(k=k, v=v, conv=conv, ssm=ssm,
-                                                                  lengths=new_lengths_B)
+    h_BTD, k, v, conv, ssm, k_ring, v_ring = carry
+    return logits_from_hidden(h_BTD, params, cfg), cache.replace(k=k, v=v, conv=conv, ssm=ssm, k_ring=k_ring,
+                                                                  v_ring=v_ring, lengths=new_lengths_B)

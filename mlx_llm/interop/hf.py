@@ -42,14 +42,15 @@ def _write_json(path: Path, obj) -> None:
 
 
 # ----- export -----------------------------------------------------------------------------------------------
-def check_offsets(params: dict, cfg: ModelConfig) -> None:
-    """Mixtral routes by the router logits alone: every balancing offset must be exactly zero."""
-    offsets = np.asarray(params["blocks"]["router_offset"])
+def check_offsets(params: dict, cfg: ModelConfig, name: str = "MixtralForCausalLM") -> None:
+    """Mixtral and Qwen3-MoE route by the router logits alone: every balancing offset must be exactly zero."""
+    groups = [params["blocks"]] if cfg.uniform else params["blocks"]
+    offsets = np.concatenate([np.asarray(g["router_offset"]) for g in groups])
     bad = np.argwhere(offsets != 0)
     if bad.size:
         where = ", ".join(f"layer {l} expert {e}: {offsets[l, e]:.4g}" for l, e in bad[:6])
-        raise ConfigError(f"cannot export as MixtralForCausalLM: {len(bad)} balancing offset(s) are nonzero "
-                          f"({where}{', …' if len(bad) > 6 else ''}); Mixtral has no routing offsets, so it would "
+        raise ConfigError(f"cannot export as {name}: {len(bad)} balancing offset(s) are nonzero "
+                          f"({where}{', …' if len(bad) > 6 else ''}); {name} has no routing offsets, so it would "
                           f"choose other experts than this model (train with offset_rate = 0 to export)")
 
 
@@ -60,8 +61,8 @@ def export_model(params: dict, cfg: ModelConfig, tok: tok_lib.Tokenizer, out_dir
     from safetensors.numpy import save_file
 
     arch = hf_config.architecture(cfg)
-    if arch == hf_config.MIXTRAL:
-        check_offsets(params, cfg)
+    if arch in hf_config.MOE_ARCHS:
+        check_offsets(params, cfg, hf_config.CLASSES[arch])
     if tok.vocab_size != cfg.vocab_size:
         raise ConfigError(f"the tokenizer has {tok.vocab_size} ids but the model's vocab_size is {cfg.vocab_size}")
     out_dir = Path(out_dir)
@@ -102,7 +103,7 @@ def export_run(run_dir, out_dir, *, step: int | None = None) -> Path:
                           f"the next token from earlier ones only")
     hf_config.architecture(cfg)  # refuse before restoring anything
     check_new_dir(Path(out_dir), "export directory")
-    tok = tok_lib.load(run.path)
+    tok = hf_tokenizer.run_tokenizer(run.path, run.record.template)  # with the run's chat template
     step = checkpoint_step(run, step)
     params = load_params(run, step)
     provenance = {"run": str(run.path.resolve()), "step": step,
@@ -187,7 +188,7 @@ def load_hf(hf_dir) -> HFModel:
     arch = hf_config.arch_of(hf, source)
     cfg = hf_config.from_hf(hf, arch, source)
     files = weight_files(hf_dir)
-    tok = hf_tokenizer.from_hf(hf_dir)
+    tok = hf_tokenizer.from_hf(hf_dir, hf)  # roles from tokenizer_config.json and config.json
     if tok.vocab_size != cfg.vocab_size:
         raise ConfigError(f"{hf_dir}: the tokenizer has {tok.vocab_size} ids but the model's vocab_size is "
                           f"{cfg.vocab_size}; an mlx_llm run needs them equal (every id a token, every token an id)")

@@ -1,13 +1,20 @@
-"""``ModelConfig`` ↔ a transformers ``config.json`` for the three architectures both sides share.
+"""``ModelConfig`` ↔ a transformers ``config.json`` for the architectures both sides share.
 
 | mlx_llm stack | transformers class |
 |---|---|
-| ``mixer_pattern ("attn",)``, ``ffn_pattern ("swiglu",)`` | ``LlamaForCausalLM`` |
-| ``mixer_pattern ("mamba",)``, ``ffn_pattern ("none",)`` | ``MambaForCausalLM`` |
-| ``mixer_pattern ("attn",)``, ``ffn_pattern ("moe",)``, softmax router, no shared experts | ``MixtralForCausalLM`` |
+| ``("attn",)`` + ``("swiglu",)`` | ``LlamaForCausalLM`` (with ``rope_scaling`` linear / llama3 / yarn / dynamic) |
+| the same with ``qkv_bias`` (windows through ``layer_types``) | ``Qwen2ForCausalLM`` |
+| the same with ``qk_norm`` (windows through ``layer_types``) | ``Qwen3ForCausalLM`` |
+| ``("local",)`` (every layer windowed) or ``("attn",)`` + ``("swiglu",)`` | ``MistralForCausalLM`` |
+| ``("attn",)`` or ``("local",)`` + ``("moe",)``, softmax router, no shared experts | ``MixtralForCausalLM`` |
+| the same with ``qk_norm`` (``norm_topk_prob``; windows through ``layer_types``) | ``Qwen3MoeForCausalLM`` |
+| ``("mamba",)`` + ``("none",)`` | ``MambaForCausalLM`` |
 
+Export picks the class from the config (``architecture``): Mamba; MoE → Qwen3-MoE with ``qk_norm``, else Mixtral;
+SwiGLU → Qwen3 with ``qk_norm``, Qwen2 with ``qkv_bias``, Mistral when every layer is windowed, else Llama.
 Every ``ModelConfig`` field is in one of four groups per architecture: written as a transformers field
-(``MAPPED``); pinned to the one value transformers computes (``PINNED``: anything else is refused by name); unused
+(``MAPPED``, with the RoPE scaling in ``rope_parameters`` and windows in ``sliding_window`` / ``layer_types``);
+pinned to the one value transformers computes (``PINNED``: anything else is refused by name); unused
 by that architecture or without effect on its outputs (``ssm_scan`` is how the recurrence is scheduled,
 ``offset_rate`` a training rule, ``router_eps`` belongs to the sigmoid router): these ride along in the
 ``"mlx_llm"`` block of ``config.json`` so an import restores the config exactly. A field this module does not know
@@ -19,51 +26,81 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from mlx_llm.config import ModelConfig
+from mlx_llm.config import ATTENTION_KINDS, ModelConfig
 from mlx_llm.errors import ConfigError
 
-LLAMA, MAMBA, MIXTRAL = "llama", "mamba", "mixtral"
-CLASSES = {LLAMA: "LlamaForCausalLM", MAMBA: "MambaForCausalLM", MIXTRAL: "MixtralForCausalLM"}
-PATTERNS = {(("attn",), ("swiglu",)): LLAMA, (("mamba",), ("none",)): MAMBA, (("attn",), ("moe",)): MIXTRAL}
-_ATTN = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_head", "rope_base", "rope_scale",
-         "norm_eps", "tie_embeddings", "max_seq_len")
+LLAMA, QWEN2, QWEN3, MISTRAL, MIXTRAL, QWEN3_MOE, MAMBA = (
+    "llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "mamba")
+CLASSES = {LLAMA: "LlamaForCausalLM", QWEN2: "Qwen2ForCausalLM", QWEN3: "Qwen3ForCausalLM",
+           MISTRAL: "MistralForCausalLM", MIXTRAL: "MixtralForCausalLM", QWEN3_MOE: "Qwen3MoeForCausalLM",
+           MAMBA: "MambaForCausalLM"}
+MOE_ARCHS = (MIXTRAL, QWEN3_MOE)
+LAYER_TYPES_ARCHS = (QWEN2, QWEN3, QWEN3_MOE)  # windows per layer through ``layer_types``
+WINDOW_ALL_ARCHS = (MISTRAL, MIXTRAL)  # one ``sliding_window`` for every layer
+_ROPE = ("rope_base", "rope_scale", "rope_scaling", "rope_factor", "rope_original_max_len", "rope_low_freq_factor",
+         "rope_high_freq_factor", "rope_beta_fast", "rope_beta_slow", "rope_mscale", "rope_mscale_all_dim",
+         "rope_attention_factor", "rope_truncate")
+_ATTN = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_head", "norm_eps", "tie_embeddings",
+         "max_seq_len", "mixer_pattern", "sliding_window") + _ROPE
+_EXPERTS = ("n_experts", "moe_top_k", "moe_d_ff")
 MAPPED = {
-    LLAMA: _ATTN + ("d_ff",),
-    MIXTRAL: _ATTN + ("n_experts", "moe_top_k", "moe_d_ff"),
+    **{arch: _ATTN + ("d_ff",) for arch in (LLAMA, QWEN2, QWEN3, MISTRAL)},
+    **{arch: _ATTN + _EXPERTS for arch in MOE_ARCHS},
     MAMBA: ("vocab_size", "d_model", "n_layers", "norm_eps", "tie_embeddings", "ssm_state", "ssm_conv",
             "ssm_expand", "ssm_dt_rank"),
 }
+_PLAIN = {"causal": True, "qkv_bias": False, "qk_norm": False}
 PINNED = {
-    LLAMA: {"causal": True},
-    MIXTRAL: {"causal": True, "router": "softmax", "n_shared_experts": 0},
-    MAMBA: {"causal": True},
+    LLAMA: _PLAIN, MISTRAL: _PLAIN, MAMBA: {"causal": True},
+    QWEN2: {**_PLAIN, "qkv_bias": True}, QWEN3: {**_PLAIN, "qk_norm": True},
+    MIXTRAL: {**_PLAIN, "router": "softmax", "n_shared_experts": 0},
+    QWEN3_MOE: {**_PLAIN, "qk_norm": True, "router": "softmax", "n_shared_experts": 0},
 }
 _WHY = {
     "causal": "a bidirectional model (causal = false, a masked-diffusion denoiser) has no transformers causal-LM "
               "class: every class exported to attends to earlier positions only",
     "router": "the sigmoid router (M20 §15: w_e = a_e/(ε + Σ a_j) of sigmoid scores) has no transformers "
-              "equivalent: Mixtral weighs the top-k experts by a softmax (router = 'softmax')",
-    "n_shared_experts": "shared (always-run) experts have no place in MixtralForCausalLM",
+              "equivalent: Mixtral and Qwen3-MoE weigh the top-k experts by a softmax (router = 'softmax')",
+    "n_shared_experts": "shared (always-run) experts have no place in MixtralForCausalLM or Qwen3MoeForCausalLM",
+    "qkv_bias": "q/k/v biases exist in Qwen2 only (Llama's attention_bias also biases o_proj, and Qwen3 adds "
+                "q/k norms)",
+    "qk_norm": "q/k RMSNorm exists in Qwen3 and Qwen3-MoE only",
 }
 # Fields an architecture does not map (unused by it, or without effect on its outputs): carried in config.json's
 # "mlx_llm" block (those of ``CARRIED`` outside ``MAPPED[arch]``).
-CARRIED = ("d_ff", "rope_base", "rope_scale", "n_heads", "n_kv_heads", "d_head",
-           "max_seq_len", "n_experts", "moe_top_k", "moe_d_ff", "router", "router_eps", "offset_rate",
-           "n_shared_experts", "ssm_state", "ssm_conv", "ssm_expand", "ssm_dt_rank", "ssm_scan")
-KNOWN = set(CARRIED) | {f for fields in MAPPED.values() for f in fields} | {"causal", "mixer_pattern", "ffn_pattern"}
+CARRIED = ("d_ff", "n_heads", "n_kv_heads", "d_head", "max_seq_len", "n_experts", "moe_top_k", "moe_d_ff",
+           "router", "router_eps", "offset_rate", "n_shared_experts", "ssm_state", "ssm_conv", "ssm_expand",
+           "ssm_dt_rank", "ssm_scan", "sliding_window") + _ROPE
+KNOWN = (set(CARRIED) | {f for fields in MAPPED.values() for f in fields}
+         | {"causal", "mixer_pattern", "ffn_pattern", "qkv_bias", "qk_norm"})
 MAMBA_MAX_SEQ_LEN = 2048  # an imported Mamba without our block: transformers' Mamba has no length limit
+
+
+def _choose(cfg: ModelConfig) -> str:
+    """The class a config exports to (the rule of the module docstring), or a ``ConfigError``."""
+    mixers, ffns = set(cfg.mixer_pattern), cfg.ffn_pattern
+    if cfg.mixer_pattern == ("mamba",) and ffns == ("none",):
+        return MAMBA
+    if not mixers <= set(ATTENTION_KINDS) or ffns not in (("swiglu",), ("moe",)):
+        raise ConfigError(
+            f"cannot export mixer_pattern {list(cfg.mixer_pattern)} with ffn_pattern {list(ffns)}: transformers "
+            f"has no class for this stack (hybrid or mixed stacks have no equivalent); exportable are attention "
+            f"('attn'/'local') + ['swiglu'] (Llama, Qwen2, Qwen3, Mistral), + ['moe'] (Mixtral, Qwen3-MoE), "
+            f"['mamba'] + ['none'] (Mamba)")
+    if ffns == ("moe",):
+        return QWEN3_MOE if cfg.qk_norm else MIXTRAL
+    if cfg.qk_norm:
+        return QWEN3
+    if cfg.qkv_bias:
+        return QWEN2
+    return MISTRAL if mixers == {"local"} else LLAMA
 
 
 def architecture(cfg: ModelConfig) -> str:
     """The transformers architecture ``cfg`` maps to, or a ``ConfigError`` naming what has no equivalent."""
     if not cfg.causal:
         raise ConfigError(f"cannot export: {_WHY['causal']}")
-    arch = PATTERNS.get((cfg.mixer_pattern, cfg.ffn_pattern))
-    if arch is None:
-        raise ConfigError(
-            f"cannot export mixer_pattern {list(cfg.mixer_pattern)} with ffn_pattern {list(cfg.ffn_pattern)}: "
-            f"transformers has no class for this stack (hybrid or mixed stacks have no equivalent); exportable "
-            f"are ['attn'] + ['swiglu'] (Llama), ['mamba'] + ['none'] (Mamba), ['attn'] + ['moe'] (Mixtral)")
+    arch = _choose(cfg)
     for name, value in PINNED[arch].items():
         if getattr(cfg, name) != value:
             raise ConfigError(f"cannot export ModelConfig.{name} = {getattr(cfg, name)!r} as "
@@ -83,6 +120,12 @@ def _check_attention_exportable(cfg: ModelConfig, arch: str) -> None:
         raise ConfigError(f"cannot export d_model = {cfg.d_model} with n_heads = {cfg.n_heads} as {CLASSES[arch]}: "
                           f"transformers' config requires hidden_size to be a multiple of num_attention_heads "
                           f"(head_dim {cfg.d_head} is stored separately, but the check is made anyway)")
+    if "local" in cfg.mixer_pattern and arch not in LAYER_TYPES_ARCHS + WINDOW_ALL_ARCHS:
+        raise ConfigError(f"cannot export mixer_pattern {list(cfg.mixer_pattern)} as {CLASSES[arch]}: it has no "
+                          f"sliding window")
+    if "local" in cfg.mixer_pattern and "attn" in cfg.mixer_pattern and arch in WINDOW_ALL_ARCHS:
+        raise ConfigError(f"cannot export mixer_pattern {list(cfg.mixer_pattern)} as {CLASSES[arch]}: it windows "
+                          f"every layer or none (alternating local/global layers export as Qwen2/Qwen3 layer_types)")
     if cfg.rope_scale != 1.0 and 1.0 / (1.0 / cfg.rope_scale) != cfg.rope_scale:
         raise ConfigError(f"cannot export rope_scale = {cfg.rope_scale!r}: transformers' linear RoPE scaling "
                           f"stores factor = 1/rope_scale, and 1/(1/{cfg.rope_scale!r}) is not exactly "
@@ -98,28 +141,68 @@ def to_hf(cfg: ModelConfig, arch: str, special_ids: dict[str, int], extras: dict
     common = {"architectures": [CLASSES[arch]], "model_type": arch, "vocab_size": cfg.vocab_size,
               "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers, "hidden_act": "silu",
               "tie_word_embeddings": cfg.tie_embeddings, "dtype": dtype, "use_cache": True,
-              **{f"{k}_token_id": v for k, v in special_ids.items()}}
+              **{f"{k}_token_id": v for k, v in special_ids.items() if v is not None}}
     carried = {name: getattr(cfg, name) for name in CARRIED if name not in MAPPED[arch] + tuple(PINNED[arch])}
+    if cfg.rope_scaling == "dynamic":  # max_position_embeddings holds T₀ (``_hf_max_positions``)
+        carried["max_seq_len"] = cfg.max_seq_len
     block = {"mlx_llm": {"model_config": carried, **extras}}
     if arch == MAMBA:
         return {**common, **_mamba_fields(cfg), **block}
     attn = {"num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.d_head,
-            "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps, "attention_dropout": 0.0,
-            "rope_parameters": _rope_parameters(cfg)}
+            "max_position_embeddings": _hf_max_positions(cfg), "rms_norm_eps": cfg.norm_eps,
+            "attention_dropout": 0.0, "rope_parameters": _rope_parameters(cfg), **_window_fields(cfg, arch)}
+    if arch in MOE_ARCHS:
+        ffn = {"num_experts_per_tok": cfg.moe_top_k, "router_jitter_noise": 0.0, "output_router_logits": False}
+        if arch == MIXTRAL:
+            ffn |= {"intermediate_size": cfg.moe_d_ff, "num_local_experts": cfg.n_experts}
+        else:
+            ffn |= {"moe_intermediate_size": cfg.moe_d_ff, "num_experts": cfg.n_experts, "norm_topk_prob": True,
+                    "decoder_sparse_step": 1, "mlp_only_layers": [], "intermediate_size": cfg.moe_d_ff,
+                    "attention_bias": False}
+        return {**common, **attn, **ffn, **block}
+    bias = {"attention_bias": False} if arch in (LLAMA, QWEN3) else {}
+    return {**common, **attn, "intermediate_size": cfg.d_ff, **bias, **({"mlp_bias": False} if arch == LLAMA else {}),
+            **block}
+
+
+def _hf_max_positions(cfg: ModelConfig) -> int:
+    """``max_position_embeddings``: our max_seq_len, except under dynamic NTK, where transformers reads it as the
+    context T₀ beyond which the base grows (our max_seq_len then rides in the "mlx_llm" block)."""
+    return cfg.rope_original_len if cfg.rope_scaling == "dynamic" else cfg.max_seq_len
+
+
+def _window_fields(cfg: ModelConfig, arch: str) -> dict:
+    local = "local" in cfg.mixer_pattern
+    if arch in WINDOW_ALL_ARCHS:
+        return {"sliding_window": cfg.sliding_window if local else None}
     if arch == LLAMA:
-        return {**common, **attn, "intermediate_size": cfg.d_ff, "attention_bias": False, "mlp_bias": False,
-                **block}
-    return {**common, **attn, "intermediate_size": cfg.moe_d_ff, "num_local_experts": cfg.n_experts,
-            "num_experts_per_tok": cfg.moe_top_k, "sliding_window": None, "router_jitter_noise": 0.0,
-            "output_router_logits": False, **block}
+        return {}
+    kinds = [cfg.layer_kinds(l)[0] for l in range(cfg.n_layers)]
+    return {"use_sliding_window": local, "sliding_window": cfg.sliding_window if local else None,
+            "max_window_layers": 0 if local else cfg.n_layers,
+            "layer_types": ["sliding_attention" if k == "local" else "full_attention" for k in kinds]}
 
 
 def _rope_parameters(cfg: ModelConfig) -> dict:
-    """Our rope_scale s turns position p into s·p before rotating (U19 §7); transformers' "linear" RoPE divides
-    the frequencies by a factor f, the same angle p·ω/f for f = 1/s."""
-    if cfg.rope_scale == 1.0:
-        return {"rope_type": "default", "rope_theta": cfg.rope_base}
-    return {"rope_type": "linear", "rope_theta": cfg.rope_base, "factor": 1.0 / cfg.rope_scale}
+    """transformers' ``rope_parameters`` of our RoPE scaling (layers/rope_scaling.py). Our rope_scale s turns
+    position p into s·p (U19 §7); transformers' "linear" divides the frequencies by f = 1/s: the same angle."""
+    base = {"rope_theta": cfg.rope_base}
+    kind = cfg.rope_scaling
+    if kind == "none":
+        return {"rope_type": "default", **base}
+    if kind == "linear":
+        return {"rope_type": "linear", **base, "factor": 1.0 / cfg.rope_scale}
+    if kind == "dynamic":
+        return {"rope_type": "dynamic", **base, "factor": cfg.rope_factor}
+    original = {"original_max_position_embeddings": cfg.rope_original_len}
+    if kind == "llama3":
+        return {"rope_type": "llama3", **base, "factor": cfg.rope_factor, **original,
+                "low_freq_factor": cfg.rope_low_freq_factor, "high_freq_factor": cfg.rope_high_freq_factor}
+    out = {"rope_type": "yarn", **base, "factor": cfg.rope_factor, **original, "beta_fast": cfg.rope_beta_fast,
+           "beta_slow": cfg.rope_beta_slow, "truncate": cfg.rope_truncate}
+    optional = {"mscale": cfg.rope_mscale, "mscale_all_dim": cfg.rope_mscale_all_dim,
+                "attention_factor": cfg.rope_attention_factor}
+    return {**out, **{k: v for k, v in optional.items() if v is not None}}
 
 
 def _mamba_fields(cfg: ModelConfig) -> dict:
@@ -131,7 +214,7 @@ def _mamba_fields(cfg: ModelConfig) -> dict:
 
 # ----- import: config.json → ModelConfig ------------------------------------------------------------------
 def arch_of(hf: dict, source: str) -> str:
-    """Which of the three architectures a transformers config.json describes (else a ``ConfigError``)."""
+    """Which of the architectures a transformers config.json describes (else a ``ConfigError``)."""
     names = {v: k for k, v in CLASSES.items()}
     archs = [names[a] for a in hf.get("architectures") or [] if a in names]
     if archs:
@@ -154,12 +237,14 @@ def from_hf(hf: dict, arch: str, source: str) -> ModelConfig:
     defaults where a key is absent); the rest from our ``"mlx_llm"`` block when present, else our defaults."""
     block = mlx_block(hf).get("model_config")
     block = block if isinstance(block, dict) else {}
-    mapped = {MAMBA: _mamba_from_hf, LLAMA: _llama_from_hf, MIXTRAL: _mixtral_from_hf}[arch](hf, source)
-    pattern = next(p for p, a in PATTERNS.items() if a == arch)
-    fixed = {"mixer_pattern": pattern[0], "ffn_pattern": pattern[1], **PINNED[arch]}
+    mapped = _mamba_from_hf(hf, source) if arch == MAMBA else _attention_arch_from_hf(hf, arch, source)
+    ffn = {MAMBA: ("none",), **{a: ("moe",) for a in MOE_ARCHS}}.get(arch, ("swiglu",))
+    fixed = {"ffn_pattern": ffn, **PINNED[arch], **({"mixer_pattern": ("mamba",)} if arch == MAMBA else {})}
     carried = {k: v for k, v in block.items() if k in CARRIED and k not in mapped and k not in fixed}
     if arch == MAMBA:
         carried.setdefault("max_seq_len", MAMBA_MAX_SEQ_LEN)
+    if mapped.get("rope_scaling") == "dynamic" and "max_seq_len" in block:
+        mapped["max_seq_len"] = block["max_seq_len"]  # max_position_embeddings was T₀ (``_hf_max_positions``)
     try:
         return ModelConfig(**{**carried, **mapped, **fixed})
     except (ConfigError, TypeError) as exc:
@@ -196,46 +281,93 @@ def _mamba_from_hf(hf: dict, source: str) -> dict:
             "ssm_dt_rank": math.ceil(d / 16) if rank == "auto" else rank}
 
 
-def _attention_from_hf(hf: dict, source: str, eps_default: float, theta_default: float,
-                       max_len_default: int) -> dict:
+# transformers' class defaults for the keys a config.json may leave out: (rms_norm_eps, rope_theta, max positions)
+_DEFAULTS = {LLAMA: (1e-6, 10000.0, 2048), QWEN2: (1e-6, 10000.0, 32768), QWEN3: (1e-6, 10000.0, 32768),
+             MISTRAL: (1e-6, 10000.0, 4096 * 32), MIXTRAL: (1e-5, 1e6, 4096 * 32), QWEN3_MOE: (1e-6, 10000.0, 32768)}
+
+
+def _attention_arch_from_hf(hf: dict, arch: str, source: str) -> dict:
+    """The mapped fields of an attention architecture: heads, RoPE, windows, then the FFN's."""
+    if arch == LLAMA:
+        _require(hf, source, "attention_bias", [False], False)
+        _require(hf, source, "mlp_bias", [False], False)
+    if arch in (QWEN3, QWEN3_MOE):
+        _require(hf, source, "attention_bias", [False], False)
+    eps, theta, max_len = _DEFAULTS[arch]
     heads = hf.get("num_attention_heads")
     if heads is None:
         raise ConfigError(f"{source}: num_attention_heads is missing")
-    base, scale = _rope_from_hf(hf, source, theta_default)
-    return {**_common_from_hf(hf, source, tie_default=False), "n_heads": heads,
-            "n_kv_heads": hf.get("num_key_value_heads") or heads,
-            "d_head": hf.get("head_dim") or hf["hidden_size"] // heads, "norm_eps": hf.get("rms_norm_eps", eps_default),
-            "rope_base": base, "rope_scale": scale,
-            "max_seq_len": hf.get("max_position_embeddings", max_len_default)}
+    out = {**_common_from_hf(hf, source, tie_default=False), "n_heads": heads,
+           "n_kv_heads": hf.get("num_key_value_heads") or heads,
+           "d_head": hf.get("head_dim") or hf["hidden_size"] // heads, "norm_eps": hf.get("rms_norm_eps", eps),
+           "max_seq_len": hf.get("max_position_embeddings", max_len), **_rope_from_hf(hf, source, theta)}
+    out |= _windows_from_hf(hf, arch, source, out["n_layers"], out["max_seq_len"])
+    if arch == MIXTRAL:
+        return {**out, "n_experts": hf.get("num_local_experts", 8), "moe_top_k": hf.get("num_experts_per_tok", 2),
+                "moe_d_ff": hf.get("intermediate_size")}
+    if arch == QWEN3_MOE:
+        _require(hf, source, "norm_topk_prob", [True], False)
+        _require(hf, source, "decoder_sparse_step", [1], 1)
+        _require(hf, source, "mlp_only_layers", [[]], [])
+        experts = hf.get("num_experts", hf.get("num_local_experts", 128))  # transformers saves the latter
+        return {**out, "n_experts": experts, "moe_top_k": hf.get("num_experts_per_tok", 8),
+                "moe_d_ff": hf.get("moe_intermediate_size", 768)}
+    return {**out, "d_ff": hf.get("intermediate_size")}
 
 
-def _rope_from_hf(hf: dict, source: str, theta_default: float) -> tuple[float, float]:
-    """(rope_base, rope_scale) from ``rope_parameters`` (transformers 5) or ``rope_theta``/``rope_scaling``."""
+def _rope_from_hf(hf: dict, source: str, theta_default: float) -> dict:
+    """Our RoPE fields from ``rope_parameters`` (transformers 5) or ``rope_theta``/``rope_scaling``."""
     rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     kind = rope.get("rope_type", rope.get("type", "default"))
-    theta = rope.get("rope_theta", hf.get("rope_theta", theta_default))
+    out = {"rope_base": rope.get("rope_theta", hf.get("rope_theta", theta_default))}
     if rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ConfigError(f"{source}: partial_rotary_factor != 1 has no mlx_llm equivalent: our RoPE turns every "
                           f"coordinate pair of a head")
+    if kind not in ("default", "linear", "dynamic", "llama3", "yarn"):
+        raise ConfigError(f"{source}: RoPE type {kind!r} has no mlx_llm equivalent; mlx_llm has 'default', "
+                          f"'linear', 'llama3', 'yarn' and 'dynamic'")
     if kind == "default":
-        return theta, 1.0
+        return out
+    if rope.get("factor") is None and kind != "yarn":
+        raise ConfigError(f"{source}: RoPE type {kind!r} needs a factor in rope_parameters")
     if kind == "linear":
-        return theta, 1.0 / rope["factor"]
-    raise ConfigError(f"{source}: RoPE type {kind!r} has no mlx_llm equivalent; mlx_llm has plain RoPE and "
-                      f"position interpolation ('default' and 'linear')")
+        return {**out, "rope_scaling": "linear", "rope_scale": 1.0 / rope["factor"]}
+    if kind == "dynamic":  # transformers grows the base beyond max_position_embeddings
+        return {**out, "rope_scaling": "dynamic", "rope_factor": rope["factor"],
+                "rope_original_max_len": hf.get("max_position_embeddings")}
+    original = rope.get("original_max_position_embeddings") or hf.get("max_position_embeddings")
+    out |= {"rope_scaling": kind, "rope_original_max_len": original}
+    if kind == "llama3":
+        return {**out, "rope_factor": rope["factor"], "rope_low_freq_factor": rope.get("low_freq_factor", 1.0),
+                "rope_high_freq_factor": rope.get("high_freq_factor", 4.0)}
+    factor = rope.get("factor") or hf["max_position_embeddings"] / original
+    return {**out, "rope_factor": factor, "rope_beta_fast": rope.get("beta_fast") or 32.0,
+            "rope_beta_slow": rope.get("beta_slow") or 1.0, "rope_mscale": rope.get("mscale"),
+            "rope_mscale_all_dim": rope.get("mscale_all_dim"), "rope_attention_factor": rope.get("attention_factor"),
+            "rope_truncate": rope.get("truncate", True)}
 
 
-def _llama_from_hf(hf: dict, source: str) -> dict:
-    _require(hf, source, "attention_bias", [False], False)
-    _require(hf, source, "mlp_bias", [False], False)
-    return {**_attention_from_hf(hf, source, 1e-6, 10000.0, 2048), "d_ff": hf.get("intermediate_size")}
-
-
-def _mixtral_from_hf(hf: dict, source: str) -> dict:
-    attn = _attention_from_hf(hf, source, 1e-5, 1e6, 4096 * 32)
+def _windows_from_hf(hf: dict, arch: str, source: str, n_layers: int, max_len: int) -> dict:
+    """``mixer_pattern`` and ``sliding_window`` from ``sliding_window`` (Mistral, Mixtral: every layer) or
+    ``layer_types`` (Qwen2/3: per layer; computed from use_sliding_window / max_window_layers when absent)."""
     window = hf.get("sliding_window")
-    if window is not None and window < attn["max_seq_len"]:
-        raise ConfigError(f"{source}: sliding_window = {window} has no mlx_llm equivalent (our attention reads "
-                          f"every earlier position up to max_seq_len = {attn['max_seq_len']})")
-    return {**attn, "n_experts": hf.get("num_local_experts", 8), "moe_top_k": hf.get("num_experts_per_tok", 2),
-            "moe_d_ff": hf.get("intermediate_size")}
+    if arch == LLAMA:
+        return {"mixer_pattern": ("attn",)}
+    if arch in WINDOW_ALL_ARCHS:
+        local = window is not None and window < max_len
+        return {"mixer_pattern": ("local",), "sliding_window": window} if local else {"mixer_pattern": ("attn",)}
+    window = window if hf.get("use_sliding_window", False) or hf.get("layer_types") else None
+    types = hf.get("layer_types") or [
+        "sliding_attention" if window is not None and l >= hf.get("max_window_layers", n_layers) else "full_attention"
+        for l in range(n_layers)]
+    known = {"full_attention": "attn", "sliding_attention": "local"}
+    if len(types) != n_layers or any(t not in known for t in types):
+        raise ConfigError(f"{source}: layer_types {types!r} is invalid: one of {sorted(known)} per layer "
+                          f"({n_layers} layers)")
+    kinds = [known[t] for t in types]
+    if "local" in kinds and window is None:
+        raise ConfigError(f"{source}: layer_types has sliding_attention layers but sliding_window is not set")
+    # the shortest repeating unit (any list is one: e.g. Qwen's full attention below max_window_layers)
+    period = next(p for p in range(1, n_layers + 1) if n_layers % p == 0 and kinds == kinds[:p] * (n_layers // p))
+    out = {"mixer_pattern": tuple(kinds[:period])}
+    return {**out, "sliding_window": window} if "local" in kinds else out

@@ -5,11 +5,13 @@ computes X Wᵀ, so every projection is transposed. Head axes are flattened head
 transformers splits q/k/v/o into heads. Both directions only transpose, reshape and concatenate: the round trip
 is exact bit for bit.
 
-- Llama / Mixtral: ``model.embed_tokens``, ``model.layers.{l}.{input_layernorm, self_attn.{q,k,v,o}_proj,
-  post_attention_layernorm}``, SwiGLU ``mlp.{gate,up,down}_proj``, MoE ``block_sparse_moe.gate`` (the router) and
-  ``block_sparse_moe.experts.{e}.w1 / w3 / w2`` (gate / up / down: the layout of the published Mixtral
-  checkpoints, which transformers 5 fuses on load; its own fused ``mlp.experts.gate_up_proj / down_proj`` layout
-  is read too), ``model.norm``, ``lm_head``.
+- Llama, Qwen2, Qwen3, Mistral / Mixtral, Qwen3-MoE: ``model.embed_tokens``, ``model.layers.{l}.{input_layernorm,
+  self_attn.{q,k,v,o}_proj, post_attention_layernorm}``, Qwen2's ``self_attn.{q,k,v}_proj.bias`` (our bq/bk/bv,
+  flattened head-major), Qwen3's ``self_attn.{q,k}_norm`` (our q_norm/k_norm), SwiGLU ``mlp.{gate,up,down}_proj``,
+  Mixtral's MoE ``block_sparse_moe.gate`` (the router) and ``block_sparse_moe.experts.{e}.w1 / w3 / w2`` (gate /
+  up / down), Qwen3-MoE's ``mlp.gate`` and ``mlp.experts.{e}.{gate,up,down}_proj`` (the layouts of the published
+  checkpoints, which transformers 5 fuses on load; its own fused ``experts.gate_up_proj / down_proj`` layout is
+  read too), ``model.norm``, ``lm_head``.
 - Mamba: ``backbone.embeddings``, ``backbone.layers.{l}.norm``, ``mixer.in_proj`` = [W_x; W_z]ᵀ,
   ``mixer.conv1d`` (I, 1, W) from ``conv_w`` (W, I) (both in cross-correlation order: tap k reads position
   t − (W−1) + k, DESIGN §1), ``mixer.x_proj`` = [W_dt; W_B; W_C]ᵀ, ``mixer.dt_proj`` (weight and bias = our
@@ -22,7 +24,7 @@ import numpy as np
 
 from mlx_llm.config import ModelConfig
 from mlx_llm.errors import CheckpointError
-from mlx_llm.interop.hf_config import MAMBA, MIXTRAL
+from mlx_llm.interop.hf_config import MAMBA, MIXTRAL, MOE_ARCHS
 
 PREFIX = {MAMBA: "backbone.", "attn": "model."}
 TOP = {MAMBA: ("embeddings.weight", "norm_f.weight"), "attn": ("embed_tokens.weight", "norm.weight")}
@@ -41,11 +43,16 @@ def _family(arch: str) -> str:
 # ----- one layer, ours → transformers ------------------------------------------------------------------------
 def attn_to_hf(layer: dict, cfg: ModelConfig) -> dict:
     d, hk, gk = cfg.d_model, cfg.n_heads * cfg.d_head, cfg.n_kv_heads * cfg.d_head
-    return {"input_layernorm.weight": layer["attn_norm"],
-            "self_attn.q_proj.weight": _t(np.reshape(layer["wq"], (d, hk))),
-            "self_attn.k_proj.weight": _t(np.reshape(layer["wk"], (d, gk))),
-            "self_attn.v_proj.weight": _t(np.reshape(layer["wv"], (d, gk))),
-            "self_attn.o_proj.weight": _t(np.reshape(layer["wo"], (hk, d)))}
+    out = {"input_layernorm.weight": layer["attn_norm"],
+           "self_attn.q_proj.weight": _t(np.reshape(layer["wq"], (d, hk))),
+           "self_attn.k_proj.weight": _t(np.reshape(layer["wk"], (d, gk))),
+           "self_attn.v_proj.weight": _t(np.reshape(layer["wv"], (d, gk))),
+           "self_attn.o_proj.weight": _t(np.reshape(layer["wo"], (hk, d)))}
+    if cfg.qkv_bias:
+        out |= {f"self_attn.{n}_proj.bias": np.reshape(layer[f"b{n}"], (-1,)) for n in "qkv"}
+    if cfg.qk_norm:
+        out |= {"self_attn.q_norm.weight": layer["q_norm"], "self_attn.k_norm.weight": layer["k_norm"]}
+    return out
 
 
 def swiglu_to_hf(layer: dict) -> dict:
@@ -53,12 +60,18 @@ def swiglu_to_hf(layer: dict) -> dict:
             "mlp.up_proj.weight": _t(layer["w_up"]), "mlp.down_proj.weight": _t(layer["w_down"])}
 
 
-def moe_to_hf(layer: dict, cfg: ModelConfig) -> dict:
-    out = {"post_attention_layernorm.weight": layer["ffn_norm"], "block_sparse_moe.gate.weight": _t(layer["router"])}
+# The published per-expert names: Mixtral's w1/w3/w2, Qwen3-MoE's gate/up/down_proj.
+MOE_NAMES = {MIXTRAL: ("block_sparse_moe.", ("w1", "w3", "w2")), "qwen3_moe": ("mlp.", ("gate_proj", "up_proj",
+                                                                                         "down_proj"))}
+
+
+def moe_to_hf(layer: dict, cfg: ModelConfig, arch: str = MIXTRAL) -> dict:
+    moe, (gate, up, down) = MOE_NAMES[arch]
+    out = {"post_attention_layernorm.weight": layer["ffn_norm"], f"{moe}gate.weight": _t(layer["router"])}
     for e in range(cfg.n_experts):
-        out |= {f"block_sparse_moe.experts.{e}.w1.weight": _t(layer["expert_gate"][e]),
-                f"block_sparse_moe.experts.{e}.w3.weight": _t(layer["expert_up"][e]),
-                f"block_sparse_moe.experts.{e}.w2.weight": _t(layer["expert_down"][e])}
+        out |= {f"{moe}experts.{e}.{gate}.weight": _t(layer["expert_gate"][e]),
+                f"{moe}experts.{e}.{up}.weight": _t(layer["expert_up"][e]),
+                f"{moe}experts.{e}.{down}.weight": _t(layer["expert_down"][e])}
     return out
 
 
@@ -75,18 +88,30 @@ def mamba_to_hf(layer: dict) -> dict:
 def layer_to_hf(layer: dict, cfg: ModelConfig, arch: str) -> dict:
     if arch == MAMBA:
         return mamba_to_hf(layer)
-    ffn = moe_to_hf(layer, cfg) if arch == MIXTRAL else swiglu_to_hf(layer)
+    ffn = moe_to_hf(layer, cfg, arch) if arch in MOE_ARCHS else swiglu_to_hf(layer)
     return {**attn_to_hf(layer, cfg), **ffn}
 
 
+def _layers(params: dict, cfg: ModelConfig) -> list[dict]:
+    """Each layer's arrays (numpy) from the stacked blocks: one dict over L, or P dicts over L/P."""
+    groups = [params["blocks"]] if cfg.uniform else params["blocks"]
+    groups = [{k: np.asarray(v) for k, v in g.items()} for g in groups]
+    return [{k: v[l // cfg.period] for k, v in groups[l % cfg.period].items()} for l in range(cfg.n_layers)]
+
+
+def _stack(layers: list[dict], cfg: ModelConfig):
+    """The inverse of ``_layers``: ``blocks`` as the layout stacks it."""
+    groups = [{k: np.stack([layer[k] for layer in layers[j::cfg.period]]) for k in layers[j]}
+              for j in range(cfg.period)]
+    return groups[0] if cfg.uniform else groups
+
+
 def to_hf(params: dict, cfg: ModelConfig, arch: str) -> dict[str, np.ndarray]:
-    """Every tensor of the transformers checkpoint of ``params`` (a uniform stack, ``blocks`` stacked over L)."""
+    """Every tensor of the transformers checkpoint of ``params``."""
     fam = _family(arch)
     embed_name, norm_name = TOP[fam]
-    blocks = {k: np.asarray(v) for k, v in params["blocks"].items()}
     out = {PREFIX[fam] + embed_name: params["embed"], PREFIX[fam] + norm_name: params["final_norm"]}
-    for l in range(cfg.n_layers):
-        layer = {k: v[l] for k, v in blocks.items()}
+    for l, layer in enumerate(_layers(params, cfg)):
         out |= {f"{PREFIX[fam]}layers.{l}.{k}": v for k, v in layer_to_hf(layer, cfg, arch).items()}
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = _t(params["unembed"])
@@ -123,11 +148,17 @@ class Reader:
 
 def attn_from_hf(r: Reader, p: str, cfg: ModelConfig) -> dict:
     d, H, G, K = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_head
-    return {"attn_norm": r.take(p + "input_layernorm.weight", (d,)),
-            "wq": r.linear(p + "self_attn.q_proj.weight", d, H * K).reshape(d, H, K),
-            "wk": r.linear(p + "self_attn.k_proj.weight", d, G * K).reshape(d, G, K),
-            "wv": r.linear(p + "self_attn.v_proj.weight", d, G * K).reshape(d, G, K),
-            "wo": r.linear(p + "self_attn.o_proj.weight", H * K, d).reshape(H, K, d)}
+    out = {"attn_norm": r.take(p + "input_layernorm.weight", (d,)),
+           "wq": r.linear(p + "self_attn.q_proj.weight", d, H * K).reshape(d, H, K),
+           "wk": r.linear(p + "self_attn.k_proj.weight", d, G * K).reshape(d, G, K),
+           "wv": r.linear(p + "self_attn.v_proj.weight", d, G * K).reshape(d, G, K),
+           "wo": r.linear(p + "self_attn.o_proj.weight", H * K, d).reshape(H, K, d)}
+    if cfg.qkv_bias:
+        out |= {f"b{n}": r.take(f"{p}self_attn.{n}_proj.bias", (heads * K,)).reshape(heads, K)
+                for n, heads in (("q", H), ("k", G), ("v", G))}
+    if cfg.qk_norm:
+        out |= {f"{n}_norm": r.take(f"{p}self_attn.{n}_norm.weight", (K,)) for n in "qk"}
+    return out
 
 
 def swiglu_from_hf(r: Reader, p: str, cfg: ModelConfig) -> dict:
@@ -137,18 +168,18 @@ def swiglu_from_hf(r: Reader, p: str, cfg: ModelConfig) -> dict:
             "w_down": r.linear(p + "mlp.down_proj.weight", m, d)}
 
 
-def moe_from_hf(r: Reader, p: str, cfg: ModelConfig) -> dict:
+def moe_from_hf(r: Reader, p: str, cfg: ModelConfig, arch: str = MIXTRAL) -> dict:
     d, X, m = cfg.d_model, cfg.n_experts, cfg.moe_d_ff
     moe = p + ("block_sparse_moe." if r.has(p + "block_sparse_moe.gate.weight") else "mlp.")
     router = r.linear(moe + "gate.weight", d, X)
+    names = MOE_NAMES[arch][1]
     if r.has(moe + "experts.gate_up_proj"):  # transformers 5's own fused layout
         gate_up = r.take(moe + "experts.gate_up_proj", (X, 2 * m, d))
         gate, up = np.swapaxes(gate_up[:, :m], 1, 2), np.swapaxes(gate_up[:, m:], 1, 2)
         down = np.swapaxes(r.take(moe + "experts.down_proj", (X, d, m)), 1, 2)
     else:
-        gate = np.stack([r.linear(f"{moe}experts.{e}.w1.weight", d, m) for e in range(X)])
-        up = np.stack([r.linear(f"{moe}experts.{e}.w3.weight", d, m) for e in range(X)])
-        down = np.stack([r.linear(f"{moe}experts.{e}.w2.weight", m, d) for e in range(X)])
+        gate, up = (np.stack([r.linear(f"{moe}experts.{e}.{n}.weight", d, m) for e in range(X)]) for n in names[:2])
+        down = np.stack([r.linear(f"{moe}experts.{e}.{names[2]}.weight", m, d) for e in range(X)])
     return {"ffn_norm": r.take(p + "post_attention_layernorm.weight", (d,)), "router": router,
             "router_offset": np.zeros((X,), router.dtype),  # Mixtral routes without offsets
             "expert_gate": np.ascontiguousarray(gate), "expert_up": np.ascontiguousarray(up),
@@ -174,20 +205,20 @@ def mamba_from_hf(r: Reader, p: str, cfg: ModelConfig) -> dict:
 def layer_from_hf(r: Reader, p: str, cfg: ModelConfig, arch: str) -> dict:
     if arch == MAMBA:
         return mamba_from_hf(r, p, cfg)
-    ffn = moe_from_hf if arch == MIXTRAL else swiglu_from_hf
-    return {**attn_from_hf(r, p, cfg), **ffn(r, p, cfg)}
+    ffn = moe_from_hf(r, p, cfg, arch) if arch in MOE_ARCHS else swiglu_from_hf(r, p, cfg)
+    return {**attn_from_hf(r, p, cfg), **ffn}
 
 
 def from_hf(tensors: dict, cfg: ModelConfig, arch: str, source: str) -> dict:
-    """Our parameter pytree (float32 numpy arrays, ``blocks`` stacked over L) from a transformers checkpoint;
-    missing, misshapen or unexpected tensors are refused by name."""
+    """Our parameter pytree (float32 numpy arrays, ``blocks`` stacked as the layout says) from a transformers
+    checkpoint; missing, misshapen or unexpected tensors are refused by name."""
     fam = _family(arch)
     r = Reader(tensors, source)
     embed_name, norm_name = TOP[fam]
     V, d = cfg.vocab_size, cfg.d_model
     layers = [layer_from_hf(r, f"{PREFIX[fam]}layers.{l}.", cfg, arch) for l in range(cfg.n_layers)]
     params = {"embed": r.take(PREFIX[fam] + embed_name, (V, d)),
-              "blocks": {k: np.stack([layer[k] for layer in layers]) for k in layers[0]},
+              "blocks": _stack(layers, cfg),
               "final_norm": r.take(PREFIX[fam] + norm_name, (d,))}
     if not cfg.tie_embeddings:
         params["unembed"] = r.linear("lm_head.weight", d, V)

@@ -104,8 +104,11 @@ REFERENCE = Kernels(platform="any")  # the exact paths on every backend: xla att
 CPU_FLASH_FROM = 512
 
 
-def attention_path(kernels: Kernels, length: int) -> str:
-    """The attention implementation a resolved ``kernels`` uses for a window of ``length`` positions."""
+def attention_path(kernels: Kernels, length: int, window: int | None = None) -> str:
+    """The attention implementation a resolved ``kernels`` uses for a window of ``length`` positions (and a
+    sliding ``window``: the Triton ``mha`` of "pallas_gpu" has none, so such a layer runs "flash")."""
+    if kernels.attention_impl == "pallas_gpu" and window is not None:
+        return "flash"
     if kernels.attention_impl != "auto":
         return kernels.attention_impl
     return "flash" if length >= CPU_FLASH_FROM else "xla"

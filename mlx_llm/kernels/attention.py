@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from mlx_llm.kernels import Kernels, attention_path
 from mlx_llm.kernels.flash import flash_attention
-from mlx_llm.ops import attention as masked_attention, causal_attention, causal_mask, document_mask
+from mlx_llm.ops import attention as masked_attention, causal_attention, causal_mask, document_mask, window_band
 
 PAD_SEGMENT = -1  # segment id of the positions a kernel's block padding adds
 SPLASH_BLOCK = 512  # splash's block over queries and keys on TPU (a multiple of 128, the lane width)
@@ -35,19 +35,24 @@ GPU_BLOCK = 64  # the Triton kernel's block
 
 
 def attention(q_BTHK, k_BTGK, v_BTGK, segment_ids_BT=None, *, causal: bool = True, kernels: Kernels,
-              mask_BTS=None):
+              mask_BTS=None, window: int | None = None):
     """O (B, T, H, K) of M20 §6 by ``kernels.attention_impl`` (resolved: no "auto"). ``mask_BTS`` is the
-    reference path's boolean mask when the caller already built it (shared by every layer of one forward)."""
-    impl = attention_path(kernels, q_BTHK.shape[1])
+    reference path's boolean mask when the caller already built it (shared by every layer of one forward).
+    ``window`` W (causal only): each query reads itself and the W − 1 positions before it (sliding-window
+    attention); flash and splash skip the blocks outside the band, so the cost is O(T·W). The Triton ``mha`` has
+    no window: a windowed layer under "pallas_gpu" runs "flash" (the path recorded for it is flash's)."""
+    impl = attention_path(kernels, q_BTHK.shape[1], window)
     if impl == "xla":
         if mask_BTS is None:
             b, t = q_BTHK.shape[:2]
             mask_BTS = (causal_mask if causal else document_mask)(segment_ids_BT, b, t)
+        mask_BTS = window_band(mask_BTS, window)
         return (causal_attention if causal else masked_attention)(q_BTHK, k_BTGK, v_BTGK, mask_BTS)
     if impl == "flash":
-        return flash_attention(q_BTHK, k_BTGK, v_BTGK, segment_ids_BT, causal=causal)
+        return flash_attention(q_BTHK, k_BTGK, v_BTGK, segment_ids_BT, causal=causal, window=window)
     if impl == "splash":
-        return _sharded(_splash, q_BTHK, k_BTGK, v_BTGK, segment_ids_BT, causal, kernels.interpret)
+        call = functools.partial(_splash, window=window)
+        return _sharded(call, q_BTHK, k_BTGK, v_BTGK, segment_ids_BT, causal, kernels.interpret)
     if impl == "pallas_gpu":
         return _pallas_gpu(q_BTHK, k_BTGK, v_BTGK, segment_ids_BT, causal, kernels.interpret)
     raise ValueError(f"attention_impl = {impl!r} is not resolved: call Kernels.resolve() first")
@@ -92,10 +97,12 @@ def _block_for(t: int, block: int) -> int:
 
 
 @functools.lru_cache(maxsize=32)
-def _splash_kernel(t: int, r: int, causal: bool, block: int, interpret: bool):
+def _splash_kernel(t: int, r: int, causal: bool, block: int, interpret: bool, window: int | None = None):
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
     one = sa.CausalMask((t, t)) if causal else sa.FullMask((t, t))
+    if window is not None:  # keys q − (W − 1) … q: splash skips every block outside the band
+        one = sa.LocalMask((t, t), window_size=(window - 1, 0), offset=0)
     sizes = dict.fromkeys(("block_q", "block_kv", "block_kv_compute", "block_q_dkv", "block_kv_dkv",
                            "block_kv_dkv_compute", "block_q_dq", "block_kv_dq"), block)
     # The kernel holds its mask metadata as arrays and is cached: build them as constants even when the first call
@@ -105,7 +112,7 @@ def _splash_kernel(t: int, r: int, causal: bool, block: int, interpret: bool):
                                                 interpret=interpret)
 
 
-def _splash(q_BTHK, k_BTGK, v_BTGK, segment_ids_BT, *, causal: bool, interpret: bool):
+def _splash(q_BTHK, k_BTGK, v_BTGK, segment_ids_BT, *, causal: bool, interpret: bool, window: int | None = None):
     """Splash attention (MQA form) per (row, key/value head): the R query heads of a group against its one key
     and value head. Splash does not scale the scores, so Q̃ is divided by √d_h first (in float32)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
@@ -116,7 +123,7 @@ def _splash(q_BTHK, k_BTGK, v_BTGK, segment_ids_BT, *, causal: bool, interpret: 
     q_BTHK = (q_BTHK.astype(jnp.float32) / math.sqrt(kd)).astype(q_BTHK.dtype)
     q_BTHK, k_BTGK, v_BTGK, seg_BT = _padded(block, q_BTHK, k_BTGK, v_BTGK, segment_ids_BT)
     tp = q_BTHK.shape[1]
-    kernel = _splash_kernel(tp, h // g, causal, block, interpret)
+    kernel = _splash_kernel(tp, h // g, causal, block, interpret, window)
     q_BGRTK = q_BTHK.reshape(b, tp, g, h // g, kd).transpose(0, 2, 3, 1, 4)
     k_BGTK, v_BGTK = k_BTGK.transpose(0, 2, 1, 3), v_BTGK.transpose(0, 2, 1, 3)
     per_head = jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=SegmentIds(q=s, kv=s)),

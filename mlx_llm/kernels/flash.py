@@ -42,6 +42,7 @@ class _Plan:
     cq: int
     ck: int
     causal: bool
+    window: int | None = None  # sliding window W (causal only): query q reads keys q − W + 1 … q
 
     @property
     def nq(self) -> int:
@@ -58,18 +59,31 @@ class _Plan:
             return self.nk
         return jnp.minimum(self.nk, ((i + 1) * self.cq + self.ck - 1) // self.ck)
 
+    def key_block_start(self, i):
+        """The first key block query block i reads: with a window, the one holding key i·c_q − W + 1."""
+        if self.window is None:
+            return 0
+        return jnp.maximum(0, i * self.cq - self.window + 1) // self.ck
+
     def query_block_start(self, j):
         """The first query block that reads key block j (the converse of ``key_block_end``)."""
         return (j * self.ck) // self.cq if self.causal else 0
 
+    def query_block_end(self, j):
+        """One past the last query block that reads key block j: with a window, the last query that reads the
+        block's last key (j+1)·c_k − 1 is (j+1)·c_k + W − 2."""
+        if self.window is None:
+            return self.nq
+        return jnp.minimum(self.nq, ((j + 1) * self.ck + self.window - 2) // self.cq + 1)
 
-def _plan(t: int, block_q: int, block_k: int, causal: bool) -> _Plan:
+
+def _plan(t: int, block_q: int, block_k: int, causal: bool, window: int | None = None) -> _Plan:
     """Blocks of at most ``block_q`` / ``block_k`` positions; a window shorter than a block uses one block of
     t rounded up to ``_ROW_ALIGN``. The window is padded to a multiple of both blocks."""
     short = -(-t // _ROW_ALIGN) * _ROW_ALIGN
     cq, ck = min(block_q, short), min(block_k, short)
     step = math.lcm(cq, ck)
-    return _Plan(t=t, tp=-(-t // step) * step, cq=cq, ck=ck, causal=causal)
+    return _Plan(t=t, tp=-(-t // step) * step, cq=cq, ck=ck, causal=causal, window=window)
 
 
 def _tile_mask(plan: _Plan, i, j, seg_q_BC, seg_k_BE) -> jax.Array:
@@ -80,6 +94,8 @@ def _tile_mask(plan: _Plan, i, j, seg_q_BC, seg_k_BE) -> jax.Array:
     allowed_CE = (q_pos_C[:, None] < plan.t) == (k_pos_E[None, :] < plan.t)
     if plan.causal:
         allowed_CE &= k_pos_E[None, :] <= q_pos_C[:, None]
+    if plan.window is not None:  # padding rows keep reading themselves (the window holds the diagonal)
+        allowed_CE &= q_pos_C[:, None] - k_pos_E[None, :] < plan.window
     return allowed_CE & (seg_q_BC[:, :, None] == seg_k_BE[:, None, :])
 
 
@@ -116,7 +132,7 @@ def _query_block_forward(plan: _Plan, k_WBGEK, v_WBGEK, seg_k_WBE, i, q_BGMK, se
     # A finite start for m keeps m − m_new finite while a row has seen only masked keys.
     init = (jnp.full(q_BGMK.shape[:-1], jnp.finfo(acc).min, acc), jnp.zeros(q_BGMK.shape[:-1], acc),
             jnp.zeros(q_BGMK.shape, acc))
-    m_BGM, l_BGM, o_BGMK = lax.fori_loop(0, plan.key_block_end(i), step, init)
+    m_BGM, l_BGM, o_BGMK = lax.fori_loop(plan.key_block_start(i), plan.key_block_end(i), step, init)
     return (o_BGMK / l_BGM[..., None]).astype(q_BGMK.dtype), m_BGM + jnp.log(l_BGM)
 
 
@@ -146,7 +162,8 @@ def _key_block_backward(plan: _Plan, fixed, dq_UBGMK, xs):
         return dk_BGEK, dv_BGEK, lax.dynamic_update_index_in_dim(dq_UBGMK, dq_BGMK, i, axis=0)
 
     zeros = jnp.zeros(k_BGEK.shape, acc)
-    dk_BGEK, dv_BGEK, dq_UBGMK = lax.fori_loop(plan.query_block_start(j), plan.nq, step, (zeros, zeros, dq_UBGMK))
+    dk_BGEK, dv_BGEK, dq_UBGMK = lax.fori_loop(plan.query_block_start(j), plan.query_block_end(j), step,
+                                               (zeros, zeros, dq_UBGMK))
     return dq_UBGMK, (dk_BGEK.astype(k_BGEK.dtype), dv_BGEK.astype(v_BGEK.dtype))
 
 
@@ -207,7 +224,7 @@ def _check(q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, block_q, block_k) -> None:
 
 
 def flash_attention(q_BTHK, k_BSGK, v_BSGK, segment_ids_BT=None, *, causal: bool = True, block_q: int = 128,
-                    block_k: int = 128) -> jax.Array:
+                    block_k: int = 128, window: int | None = None) -> jax.Array:
     """O (B, T, H, K) of M20 §6 self-attention (S = T) equal to ``ops.attention`` under ``ops.causal_mask``
     (``causal``) or ``ops.document_mask`` (not ``causal``) of ``segment_ids_BT`` (None: one document per row),
     in values and gradients, computed FlashAttention-2 style in O(T·block) memory.
@@ -215,11 +232,15 @@ def flash_attention(q_BTHK, k_BSGK, v_BSGK, segment_ids_BT=None, *, causal: bool
     Scores, softmax statistics and accumulators are in ``promote_types(q.dtype, float32)``; products of
     bf16 inputs take bf16 operands with float32 accumulation; the output has q's dtype. T need not be a
     multiple of the blocks: the window is padded internally and the padding is never read by real positions.
+    ``window`` W (causal): query q reads keys q − W + 1 … q only, and the loops visit only the tiles that band
+    touches (about T·(W + block) score entries instead of T²/2).
     """
     _check(q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, block_q, block_k)
+    if window is not None and (not causal or window < 1):
+        raise InputError(f"flash_attention: window = {window!r} needs causal attention and W >= 1")
     b, t, h, kd = q_BTHK.shape
     g = k_BSGK.shape[2]
-    plan = _plan(t, block_q, block_k, causal)
+    plan = _plan(t, block_q, block_k, causal, window)
     seg_BT = jnp.zeros((b, t), jnp.int32) if segment_ids_BT is None else segment_ids_BT.astype(jnp.int32)
     pad = plan.tp - t
     widen = lambda a: jnp.pad(a, ((0, 0), (0, pad)) + ((0, 0),) * (a.ndim - 2))  # noqa: E731

@@ -1,7 +1,10 @@
 """The attention mixer (M20 §5–§6): GQA with RoPE, full-sequence (training, prefill) and cached (decode).
 
-Keys (DESIGN §1): ``attn_norm (d)``, ``wq (d, Hq, Dh)``, ``wk, wv (d, Hkv, Dh)``, ``wo (Hq, Dh, d)``.
-The branch is Z = H + A(N_γa(H)); the residual carries H, not N(H) (M20 §7).
+Keys (DESIGN §1): ``attn_norm (d)``, ``wq (d, Hq, Dh)``, ``wk, wv (d, Hkv, Dh)``, ``wo (Hq, Dh, d)``; with
+``qkv_bias`` also ``bq (Hq, Dh)``, ``bk, bv (Hkv, Dh)`` (Qwen2); with ``qk_norm`` the per-head RMSNorm gains
+``q_norm, k_norm (Dh)`` applied to Q and K before RoPE (Qwen3). The branch is Z = H + A(N_γa(H)); the residual
+carries H, not N(H) (M20 §7). Mixer kind "local" is the same layer reading a sliding window of
+``cfg.sliding_window`` positions; in decoding its cache is a ring buffer of that many slots (``ring_branch``).
 """
 
 from __future__ import annotations
@@ -11,7 +14,8 @@ import jax.numpy as jnp
 
 from mlx_llm.kernels import attention as kernels
 from mlx_llm.layers import initializers, layout
-from mlx_llm.ops import attention, dense, rms_norm, rope
+from mlx_llm.layers.rope_scaling import rope_for
+from mlx_llm.ops import attention, dense, rms_norm
 
 
 def init(cfg, normal, L: int, dtype) -> dict:
@@ -21,13 +25,18 @@ def init(cfg, normal, L: int, dtype) -> dict:
 
 
 def attention_qkv(x_BTD, layer, cfg, positions_BT):
-    """M20 §5: Q_j = X W^Q_j, K_g = X W^K_g, V_g = X W^V_g; RoPE on Q and K only."""
+    """M20 §5: Q_j = X W^Q_j, K_g = X W^K_g, V_g = X W^V_g (+ biases with ``qkv_bias``); with ``qk_norm`` Q and K
+    are RMS-normalised per head over d_h; then RoPE (scaled as ``cfg.rope_scaling`` says) on Q and K only."""
     q_BTHK = dense(x_BTD, layer["wq"])
     k_BTGK = dense(x_BTD, layer["wk"])
     v_BTGK = dense(x_BTD, layer["wv"])
-    q_BTHK = rope(q_BTHK, positions_BT, cfg.rope_base, cfg.rope_scale)
-    k_BTGK = rope(k_BTGK, positions_BT, cfg.rope_base, cfg.rope_scale)
-    return q_BTHK, k_BTGK, v_BTGK
+    if cfg.qkv_bias:
+        q_BTHK, k_BTGK, v_BTGK = (a + layer[b].astype(a.dtype) for a, b in
+                                  ((q_BTHK, "bq"), (k_BTGK, "bk"), (v_BTGK, "bv")))
+    if cfg.qk_norm:
+        q_BTHK = rms_norm(q_BTHK, layer["q_norm"], cfg.norm_eps)
+        k_BTGK = rms_norm(k_BTGK, layer["k_norm"], cfg.norm_eps)
+    return rope_for(q_BTHK, positions_BT, cfg), rope_for(k_BTGK, positions_BT, cfg), v_BTGK
 
 
 def attention_output(o_BTHK, layer) -> jax.Array:
@@ -36,13 +45,14 @@ def attention_output(o_BTHK, layer) -> jax.Array:
     return dense(o_BTHK.reshape(b, t, h * k), layer["wo"].reshape(h * k, -1))
 
 
-def branch(h_BTD, layer, cfg, ctx) -> jax.Array:
+def branch(h_BTD, layer, cfg, ctx, window: int | None = None) -> jax.Array:
     """M20 §7 first line: Z = H + A(N_γa(H)), over the whole sequence (causal, per document; bidirectional, per
-    document, when ``cfg.causal`` is false), by the attention path ``ctx.kernels`` names (kernels/attention.py)."""
+    document, when ``cfg.causal`` is false; within the last ``window`` positions when set), by the attention path
+    ``ctx.kernels`` names (kernels/attention.py)."""
     x_BTD = rms_norm(h_BTD, layer["attn_norm"], cfg.norm_eps)
     q, k, v = attention_qkv(x_BTD, layer, cfg, ctx.positions_BT)
     o_BTHK = kernels.attention(q, k, v, ctx.segment_ids_BT, causal=getattr(cfg, "causal", True),
-                               kernels=ctx.kernels, mask_BTS=ctx.mask_BTS)
+                               kernels=ctx.kernels, mask_BTS=ctx.mask_BTS, window=window)
     return h_BTD + attention_output(o_BTHK, layer)
 
 
@@ -63,3 +73,23 @@ def cached_branch(h_BTD, layer, cfg, ctx, k_LBSGK, v_LBSGK, l):
     else:
         o_BTHK = attention(q_BTHK, k_LBSGK[l].astype(q_BTHK.dtype), v_LBSGK[l].astype(q_BTHK.dtype), ctx.mask_BTS)
     return h_BTD + attention_output(o_BTHK, layer), k_LBSGK, v_LBSGK
+
+
+def ring_branch(h_BTD, layer, cfg, ctx, k_LBWGK, v_LBWGK, l):
+    """``cached_branch`` for a sliding-window layer whose cache is a ring of W = ``cfg.sliding_window`` slots:
+    each new query reads the ring (older positions) and the new positions, as ``ctx.ring.mask_BTS`` allows
+    (decode/state.py ``ring_context``); then the new positions that later windows still need are written into
+    their slots. Cost and memory per token are O(W), whatever the prefix length. Returns (Z, k, v)."""
+    x_BTD = rms_norm(h_BTD, layer["attn_norm"], cfg.norm_eps)
+    q_BTHK, k_BTGK, v_BTGK = attention_qkv(x_BTD, layer, cfg, ctx.positions_BT)
+    if ctx.mask_BTS is None:  # a prefill into an empty cache: the ring holds nothing yet
+        o_BTHK = kernels.attention(q_BTHK, k_BTGK, v_BTGK, None, causal=True, kernels=ctx.kernels,
+                                   window=cfg.sliding_window)
+    else:
+        keys = jnp.concatenate([k_LBWGK[l].astype(q_BTHK.dtype), k_BTGK], axis=1)
+        values = jnp.concatenate([v_LBWGK[l].astype(q_BTHK.dtype), v_BTGK], axis=1)
+        o_BTHK = attention(q_BTHK, keys, values, ctx.ring.mask_BTS)
+    b_B1 = jnp.arange(h_BTD.shape[0])[:, None]
+    k_LBWGK = k_LBWGK.at[l, b_B1, ctx.ring.slots_BT].set(k_BTGK.astype(k_LBWGK.dtype), mode="drop")
+    v_LBWGK = v_LBWGK.at[l, b_B1, ctx.ring.slots_BT].set(v_BTGK.astype(v_LBWGK.dtype), mode="drop")
+    return h_BTD + attention_output(o_BTHK, layer), k_LBWGK, v_LBWGK

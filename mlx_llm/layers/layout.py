@@ -121,12 +121,27 @@ TOP = {
     "unembed": ParamInfo(("D", "V"), std=fan_in("D"), role="table", tensor_axis=1, present=untied),
 }
 
+def has_qkv_bias(cfg) -> bool:
+    return bool(getattr(cfg, "qkv_bias", False))
+
+
+def has_qk_norm(cfg) -> bool:
+    return bool(getattr(cfg, "qk_norm", False))
+
+
 ATTN = {  # M20 §5–§6: Q = X W^Q, K = X W^K, V = X W^V per head; A = Concat(O) W^O
     "attn_norm": _NORM,
     "wq": ParamInfo(("D", "H", "K"), std=fan_in("D"), tensor_axis=1, lora_in=1),
     "wk": ParamInfo(("D", "G", "K"), std=fan_in("D"), tensor_axis=1, lora_in=1),
     "wv": ParamInfo(("D", "G", "K"), std=fan_in("D"), tensor_axis=1, lora_in=1),
     "wo": ParamInfo(("H", "K", "D"), std=fan_in("H", "K", residual=True), tensor_axis=0, lora_in=2),
+    # Qwen2's projection biases (zeros, no draw: the key stream of the other arrays is unchanged)
+    "bq": ParamInfo(("H", "K"), "zeros", role="elementwise", tensor_axis=0, present=has_qkv_bias),
+    "bk": ParamInfo(("G", "K"), "zeros", role="elementwise", tensor_axis=0, present=has_qkv_bias),
+    "bv": ParamInfo(("G", "K"), "zeros", role="elementwise", tensor_axis=0, present=has_qkv_bias),
+    # Qwen3's per-head RMSNorm gains on Q and K (over d_h, shared by the heads)
+    "q_norm": ParamInfo(("K",), "ones", role="norm", present=has_qk_norm),
+    "k_norm": ParamInfo(("K",), "ones", role="norm", present=has_qk_norm),
 }
 
 SWIGLU = {  # M20 §7: F(y) = (SiLU(y W_gate) ⊙ y W_up) W_down
@@ -164,7 +179,7 @@ MAMBA = {  # M20 §19, Gu & Dao 2023 (layers/mamba.py): rules "dt_bias" and "A_l
     "out_proj": ParamInfo(("I", "D"), std=fan_in("I", residual=True), tensor_axis=0, lora_in=1),
 }
 
-KINDS = {"attn": ATTN, "mamba": MAMBA, "swiglu": SWIGLU, "moe": MOE, "none": {}}
+KINDS = {"attn": ATTN, "local": ATTN, "mamba": MAMBA, "swiglu": SWIGLU, "moe": MOE, "none": {}}
 
 HEADS = {  # trained beside a model, not part of it: the reward model's r = w · R_last (U19 §11, post/reward.py)
     "reward_head": ParamInfo(("D",), "zeros"),  # and PPO's value V_t = w · R_t (post/ppo.py)

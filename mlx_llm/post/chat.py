@@ -15,6 +15,10 @@ through b_t"): the tokens of each assistant turn's content and its end marker ar
 system and user turns are context only. ``encode`` returns the ids and a per-id ``target`` flag; a training
 window then uses tokens = ids[:-1], targets = ids[1:], mask = target[1:] (``training_arrays``).
 ``decode(ids)`` equals ``render(messages)`` exactly (tests/test_chat.py).
+
+A model imported with its own Jinja ``chat_template`` renders through it instead (``templates.JinjaTemplate``,
+chosen by ``templates.template_for``); export writes ours as Jinja (``ChatTemplate.to_jinja``), so transformers
+renders the same text. Both accept the same role orders (``check_messages``).
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from mlx_llm.errors import DataError, InputError
 from mlx_llm.train.tokenizer import BOS, CHAT_MARKERS, Tokenizer
 
 ROLES = ("system", "user", "assistant")
+VALID_ORDER = ("valid conversations are an optional first system message, then user and assistant turns alternating, "
+               "starting with user")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,11 +62,33 @@ class ChatTemplate:
         return getattr(self, role)
 
     def check_tokenizer(self, tok: Tokenizer) -> None:
-        """Every marker must be one special token of ``tok``."""
+        """Every marker must be one special token of ``tok``, and BOS (when the template writes it) its BOS."""
         missing = [m for m in (self.system, self.user, self.assistant, self.end) if m not in tok.special_tokens]
         if missing:
             raise InputError(f"the chat markers {missing} are not special tokens of the tokenizer "
-                             f"({list(tok.special_tokens)})")
+                             f"({list(tok.special_tokens)[:16]})")
+        if self.bos and tok.roles.get("bos") != BOS:
+            raise InputError(f"the chat template starts with {BOS!r} but the tokenizer's BOS is "
+                             f"{tok.roles.get('bos')!r}")
+
+    def to_jinja(self) -> str:
+        """This template as a Jinja ``chat_template`` (what export writes to tokenizer_config.json):
+        transformers' ``apply_chat_template`` renders with it exactly what ``render`` does, and refuses role
+        orders that ``check_messages`` refuses (through ``raise_exception``)."""
+        q = _jinja_string
+        order = ("{%- set first = 1 if messages[0]['role'] == 'system' else 0 -%}"
+                 "{%- for message in messages -%}"
+                 "{%- if loop.index0 >= first and message['role'] != ['user', 'assistant'][(loop.index0 - first) % 2]"
+                 f" -%}}{{{{ raise_exception({q('message roles are out of order: ' + VALID_ORDER)}) }}}}"
+                 "{%- endif -%}{%- endfor -%}")
+        turns = "{%- for message in messages -%}" + "".join(
+            f"{{%- {'if' if k == 0 else 'elif'} message['role'] == {q(role)} -%}}{{{{ {q(self.marker(role))} }}}}"
+            for k, role in enumerate(ROLES))
+        turns += (f"{{%- else -%}}{{{{ raise_exception({q('unknown role: valid roles are ' + ', '.join(ROLES))}) }}}}"
+                  f"{{%- endif -%}}{{{{ message['content'] }}}}{{{{ {q(self.end)} }}}}{{%- endfor -%}}")
+        head = f"{{{{ {q(BOS)} }}}}" if self.bos else ""
+        tail = f"{{%- if add_generation_prompt -%}}{{{{ {q(self.assistant)} }}}}{{%- endif -%}}"
+        return "{#- mlx_llm ChatTemplate -#}" + order + head + turns + tail
 
     def render(self, messages, *, generation_prompt: bool = False) -> str:
         """The conversation as text; with ``generation_prompt`` the assistant marker follows (what a model
@@ -93,10 +121,20 @@ def training_arrays(ids, target) -> dict[str, np.ndarray]:
     return {"tokens": ids[:-1], "targets": ids[1:], "mask": target[1:].astype(np.float32)}
 
 
-def check_messages(messages, *, require_assistant: bool = True) -> None:
-    """A conversation: a non-empty list of {"role", "content"} with known roles, non-empty string content and
-    (for training, not for a generation prompt) at least one assistant turn. Raises InputError naming the
-    problem."""
+def _jinja_string(text: str) -> str:
+    """A Jinja string literal of ``text`` (the lexer reads backslash escapes; other characters stand as they are)."""
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def check_messages(messages, *, require_assistant: bool = True, order: bool = True) -> None:
+    """A conversation: a non-empty list of {"role", "content"} with known roles and non-empty string content,
+    whose roles come in an order a chat model is trained on (``order``)::
+
+        [system] user assistant (user assistant)*     training (``require_assistant``): ends with the reply
+        [system] (user assistant)* user               a prompt for the next reply: ends with the user's turn
+
+    i.e. at most one system message, first; then user and assistant strictly alternate, starting with user.
+    Raises InputError naming the message and what is valid."""
     if not isinstance(messages, list) or not messages:
         raise InputError(f"messages must be a non-empty list of {{'role', 'content'}} objects, got {messages!r:.80}")
     for k, m in enumerate(messages):
@@ -104,10 +142,33 @@ def check_messages(messages, *, require_assistant: bool = True) -> None:
             raise InputError(f"message {k} must be an object with exactly 'role' and 'content', got {m!r:.80}")
         if m["role"] not in ROLES:
             raise InputError(f"message {k} has unknown role {m['role']!r}: valid roles are {list(ROLES)}")
-        if not isinstance(m["content"], str) or not m["content"].strip():
+        if not isinstance(m["content"], str):
+            raise InputError(f"message {k} ({m['role']}) has content of type {type(m['content']).__name__} "
+                             f"({m['content']!r:.40}): content must be a string")
+        if not m["content"].strip():
             raise InputError(f"message {k} ({m['role']}) has empty content")
     if require_assistant and not any(m["role"] == "assistant" for m in messages):
         raise InputError("the conversation has no assistant turn: there is nothing to learn from it")
+    if order:
+        _check_order([m["role"] for m in messages], prompt=not require_assistant)
+
+
+def _check_order(roles: list[str], *, prompt: bool) -> None:
+    first = 1 if roles[0] == "system" else 0
+    for k, role in enumerate(roles[first:], start=first):
+        if role == "system":
+            raise InputError(f"message {k} is a system message: only the first message may be one; {VALID_ORDER}")
+        expected = ("user", "assistant")[(k - first) % 2]
+        if role != expected:
+            raise InputError(f"message {k} is {'an' if role == 'assistant' else 'a'} {role} turn where the "
+                             f"{expected}'s turn belongs: {VALID_ORDER}")
+    if len(roles) == first:
+        raise InputError(f"the conversation is only a system message: {VALID_ORDER}")
+    if prompt and roles[-1] != "user":
+        raise InputError("the prompt ends with an assistant turn: a prompt ends with the user's turn the reply answers")
+    if not prompt and roles[-1] != "assistant":
+        raise InputError("the conversation ends with a user turn: a training conversation ends with the assistant's "
+                         "reply (drop the unanswered turn)")
 
 
 def jsonl_records(path):
@@ -130,8 +191,10 @@ def jsonl_records(path):
 
 def read_conversations(path, tok: Tokenizer, template: ChatTemplate, max_len: int):
     """Every conversation of a JSONL file, encoded: a list of (ids, target). Bad data is refused with the file,
-    line and reason (not JSON, not a conversation, unknown role, empty content, no assistant turn); conversations
-    longer than ``max_len`` ids are never truncated: the error says how many and which line is the first."""
+    line and reason (not JSON, not a conversation, unknown role, content not a string or empty, roles out of
+    order — ``check_messages`` — or refused by an imported template's own ``raise_exception``); conversations
+    longer than ``max_len`` ids are never truncated: the error says how many and which line is the first.
+    ``template``: a ``ChatTemplate`` or a model's ``templates.JinjaTemplate`` (``templates.template_for``)."""
     out, too_long = [], []
     for n, record in jsonl_records(path):
         if not isinstance(record, dict) or "messages" not in record:

@@ -23,6 +23,7 @@ from mlx_llm.config import ModelConfig, TrainConfig
 from mlx_llm.errors import CheckpointError, ConfigError
 from mlx_llm.post import lora as lora_lib
 from mlx_llm.post.chat import ChatTemplate
+from mlx_llm.post.templates import template_for
 from mlx_llm.train import tokenizer as tok_lib
 from mlx_llm.runs.load import load_params
 from mlx_llm.runs.record import BaseRef, RunRecord, open_run, write_run
@@ -49,9 +50,11 @@ class Base:
     data: Any = None  # the base's corpus settings (DataSpec), which a fine-tuning run keeps
 
 
-def run_template(record) -> ChatTemplate:
-    """The chat template a run records (its base's, for a fine-tuning run); the default one otherwise."""
-    return ChatTemplate.from_dict(record.template) if record.template else ChatTemplate()
+def run_template(record, tok=None):
+    """The chat template a run records (its base's, for a fine-tuning run); the default one otherwise. Given the
+    run's tokenizer, a model's own Jinja template (an imported run's) takes precedence (``templates.template_for``)."""
+    template = ChatTemplate.from_dict(record.template) if record.template else ChatTemplate()
+    return template if tok is None else template_for(tok, template)
 
 
 def load_base(run) -> Base:
@@ -65,8 +68,9 @@ def load_base(run) -> Base:
     step = run.latest_step()
     if step is None:
         raise CheckpointError(f"{run.path} has no checkpoint to fine-tune")
-    return Base(run.path, run.cfg, run.tcfg, load_params(run, step), step, tok_lib.load(run.path),
-                run_template(run.record), run.record.data)
+    tok = tok_lib.load(run.path)
+    return Base(run.path, run.cfg, run.tcfg, load_params(run, step), step, tok, run_template(run.record, tok),
+                run.record.data)
 
 
 def check_same_model(base: Base, other: Base, role: str) -> None:
@@ -93,16 +97,19 @@ def post_record(kind: str, base: Base, lora_cfg, settings) -> RunRecord:
                      template=base.template.to_dict(), settings=settings)
 
 
-def resume_of(run_dir: Path, resume: bool, changes: dict | None = None, from_step: int | None = None) -> tuple:
+def resume_of(run_dir: Path, resume: bool, changes: dict | None = None, from_step: int | None = None,
+              trust_unverified: bool | None = None) -> tuple:
     """Check a fine-tuning run's directory before any work (``checkpoint.check_run_dir``); for a resume, also
-    (run, train config with ``changes``, ``ResumePlan``) of ``runs.resume.resume_plan``, else (None, None, None)."""
+    (run, train config with ``changes``, ``ResumePlan``) of ``runs.resume.resume_plan``, else (None, None, None).
+    A checkpoint without the manifest its run writes is refused when it is restored (``fit``, which has the run's
+    ``--trust-unverified``), unless ``trust_unverified`` decides here."""
     check_run_dir(run_dir, resume)
     if not resume:
         if from_step is not None or changes:
             raise ConfigError(f"--from-step and changed settings ({sorted(changes or ())}) apply to a resumed run: "
                               f"they need --resume")
         return None, None, None
-    return resume_plan(run_dir, changes, from_step)
+    return resume_plan(run_dir, changes, from_step, trust_unverified)
 
 
 def check_base_unchanged(run, base: Base) -> None:

@@ -29,6 +29,7 @@ from mlx_llm.model import check_tokens, hidden_states, nll_from_hidden, resolved
 from mlx_llm.post import tasks as tasks_lib
 from mlx_llm.post.chat import ChatTemplate, check_messages, jsonl_records
 from mlx_llm.post.sft import REPLY_TOKENS, sample_replies
+from mlx_llm.post.templates import template_for
 from mlx_llm.train.data import epoch_order, first_until, val_score
 
 VAL_PERCENT = 5.0  # share of a pair file held out, by a stable hash of the pair's text
@@ -37,19 +38,20 @@ SIDES = ("chosen", "rejected")
 
 # ----- records ------------------------------------------------------------------------------------------------
 def check_pair(record) -> None:
-    """A pair record: a prompt conversation that does not end with the assistant, and two different assistant
-    messages. Raises InputError naming the problem."""
+    """A pair record: a prompt conversation that ends with the user's turn (roles in ``check_messages``' order),
+    and two different assistant messages. Raises InputError naming the problem."""
     if not isinstance(record, dict) or set(record) != {"prompt", "chosen", "rejected"}:
         keys = sorted(record) if isinstance(record, dict) else type(record).__name__
         raise InputError(f"expected an object with exactly 'prompt', 'chosen' and 'rejected', got {keys}")
-    check_messages(record["prompt"], require_assistant=False)
+    check_messages(record["prompt"], require_assistant=False, order=False)
     if record["prompt"][-1]["role"] == "assistant":
         raise InputError("the prompt ends with an assistant turn: it must end where the reply starts")
+    check_messages(record["prompt"], require_assistant=False)
     for side in SIDES:
         m = record[side]
         if not isinstance(m, dict) or m.get("role") != "assistant":
             raise InputError(f"{side} must be one message with role 'assistant', got {m!r:.80}")
-        check_messages([m])
+        check_messages([m], order=False)
     if record["chosen"]["content"] == record["rejected"]["content"]:
         raise InputError("chosen and rejected are the same reply: the pair prefers nothing")
 
@@ -184,6 +186,7 @@ class PairData:
 
     @classmethod
     def build(cls, train_pairs, val_pairs, tok, template: ChatTemplate, width: int) -> "PairData":
+        template = template_for(tok, template)
         if not train_pairs or not val_pairs:
             raise DataError(f"{len(train_pairs)} train and {len(val_pairs)} held-out pairs: both must be non-empty")
         enc = [[encode_pair(p, tok, template) for p in ps] for ps in (train_pairs, val_pairs)]
@@ -214,14 +217,16 @@ class PairData:
 def load_pairs(base, tcfg, *, data=None, task=None, n_train=None, model_negatives=False):
     """``PairData`` of a JSONL file (``VAL_PERCENT`` held out by hash) or of a task (its train split, up to
     ``n_train`` problems; every problem of its heldout split, for arithmetic its default sample of 1,000), for
-    ``base`` (a ``loop.Base``: tokenizer, template, and the model that answers when ``model_negatives``)."""
+    ``base`` (a ``loop.Base``: tokenizer, template — the tokenizer's own chat template when it has one — and the
+    model that answers when ``model_negatives``)."""
+    template = template_for(base.tok, base.template)
     if (data is None) == (task is None):
         raise ConfigError(f"give exactly one of a pair file (--data FILE.jsonl) and a task (--task NAME: "
                           f"{list(tasks_lib.TASKS)})")
     if task is not None:
-        policy = (base.params, base.cfg, base.tok, base.template) if model_negatives else None
+        policy = (base.params, base.cfg, base.tok, template) if model_negatives else None
         train = task_pairs(task, "train", n=n_train, seed=tcfg.seed, policy=policy)
         val = task_pairs(task, "heldout", seed=tcfg.seed)
     else:
         train, val = split_pairs(read_pairs(data))
-    return PairData.build(train, val, base.tok, base.template, tcfg.seq_len)
+    return PairData.build(train, val, base.tok, template, tcfg.seq_len)

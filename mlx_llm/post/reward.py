@@ -183,5 +183,5 @@ def load_reward_model(run_dir, step: int | None = None) -> RewardModel:
     like = {"model": model_like, "reward_head": jnp.zeros((run.cfg.d_model,), jnp.float32)}
     trained = restore_params(run, step, like=like)
     params = trained["model"] if lora_cfg is None else lora_lib.merge(base, trained["model"], lora_cfg)
-    return RewardModel(run.cfg, params, trained["reward_head"], tok_lib.load(run.path), loop.run_template(run.record),
-                       run.path)
+    tok = tok_lib.load(run.path)
+    return RewardModel(run.cfg, params, trained["reward_head"], tok, loop.run_template(run.record, tok), run.path)

@@ -13,7 +13,7 @@ the run record holds the base run and its checkpoint step, so ``runs.load.load_p
 and ``runs.load.merge_run`` writes a plain run with the adapters folded in.
 
 ``eval_task`` measures the skill: greedy decoding through the chat template on held-out prompts, scored by the
-task's exact checker (``tasks.check``).
+task's exact checker (``tasks.check``); ``chat_session`` is the ``chat`` command's conversation with a run.
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ import jax
 import numpy as np
 
 from mlx_llm.config import ModelConfig, TrainConfig
-from mlx_llm.errors import ConfigError, DataError
+from mlx_llm.errors import ConfigError, DataError, InputError
 from mlx_llm.post import lora as lora_lib
 from mlx_llm.post import tasks as tasks_lib
 from mlx_llm.post.chat import ChatTemplate, read_conversations
+from mlx_llm.post.templates import template_for
 from mlx_llm.train import tokenizer as tok_lib
 from mlx_llm.decode.generate import generate
 from mlx_llm.post import loop
@@ -113,7 +114,8 @@ class SFTData:
 def load_data(tok, template: ChatTemplate, seq_len: int, *, data=None, task=None, n_train=None, seed=0) -> SFTData:
     """Conversations of a JSONL file (``VAL_PERCENT`` held out by a stable hash of their text) or of a task's
     train/heldout splits, encoded and checked to fit ``seq_len`` + 1 ids, the train ones shuffled by ``seed``
-    and packed."""
+    and packed. ``template`` gives way to the tokenizer's own chat template when it has one (``template_for``)."""
+    template = template_for(tok, template)
     if (data is None) == (task is None):
         raise ConfigError("give exactly one of a data file (--data FILE.jsonl) and a task (--task NAME: "
                           f"{list(tasks_lib.TASKS)})")
@@ -160,6 +162,7 @@ def sft_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, settings
         raise ConfigError("chat fine-tuning trains next-token predictions: objective must be 'ar'")
     if tcfg.seq_len > cfg.max_seq_len:
         raise ConfigError(f"seq_len = {tcfg.seq_len} is longer than the base model's max_seq_len = {cfg.max_seq_len}")
+    template = template_for(tok, template)  # an imported model's own chat template, when its tokenizer has one
     template.check_tokenizer(tok)
     sft_data = load_data(tok, template, tcfg.seq_len, data=s.data, task=s.task, n_train=s.n_train, seed=tcfg.seed)
     adapters = None if lora_cfg is None else lora_lib.init(base_params, lora_cfg, jax.random.key(tcfg.seed))
@@ -195,7 +198,9 @@ def sample_replies(params, cfg: ModelConfig, tok, template: ChatTemplate, prompt
                    temperature: float | None = None, seed: int = 0, batch_size: int = 64) -> list:
     """The model's reply to each conversation of ``prompts`` (rendered with the assistant marker), decoded until
     the end-of-turn marker or ``max_new_tokens``: greedy (``temperature`` None) or sampled from p^(1/T) with
-    the jitted decoder. Returns [(reply ids, end marker included when produced), text (marker dropped)]."""
+    the jitted decoder. Returns [(reply ids, end marker included when produced), text (marker dropped)].
+    The tokenizer's own chat template, when it has one, renders the prompts (``template_for``)."""
+    template = template_for(tok, template)
     end_id = tok.token_id(template.end)
     encoded = [template.encode(m, tok, generation_prompt=True)[0] for m in prompts]
     longest = max(len(p) for p in encoded)
@@ -236,3 +241,36 @@ def eval_task(params, cfg: ModelConfig, tok, task: str, template: ChatTemplate =
     return {"accuracy": float(np.mean(correct)), "n": len(examples), "correct": int(sum(correct)),
             "seconds": time.perf_counter() - start,
             "examples": [(e["messages"][-2]["content"], r, e["answer"]) for e, r in zip(examples, replies)]}
+
+
+def chat_session(params, cfg: ModelConfig, tok, template, *, system: str | None = None, max_new_tokens: int = 128,
+                 temperature: float | None = None, read=input, write=print) -> int:
+    """The ``chat`` command's loop: each line read is the user's turn, the model's reply (decoded until the
+    template's end-of-turn marker) is written and kept in the conversation; an empty line or end of input ends
+    it (returns 0). A turn that cannot be sent — its prompt would leave no room in the model's context
+    (``cfg.max_seq_len``), or the template refuses it — is reported and dropped; the session goes on."""
+    template = template_for(tok, template)
+    end_id = tok.token_id(template.end)
+    messages = [{"role": "system", "content": system}] if system else []
+    while True:
+        try:
+            line = read("you> ").strip()
+        except EOFError:
+            return 0
+        if not line:
+            return 0
+        turn = messages + [{"role": "user", "content": line}]
+        try:
+            ids, _ = template.encode(turn, tok, generation_prompt=True)
+        except InputError as err:
+            write(f"(not sent: {err})")
+            continue
+        n_new = min(max_new_tokens, cfg.max_seq_len - len(ids))
+        if n_new < 1:
+            write(f"(not sent: with this message the prompt is {len(ids)} tokens and the model reads at most "
+                  f"{cfg.max_seq_len}, leaving no room for a reply; send a shorter message, or an empty line to end)")
+            continue
+        out = generate(params, cfg, ids[None], n_new, temperature=temperature, eos_id=end_id, pad_id=tok.pad_id)
+        text = tok.decode(np.asarray(out.tokens[0])[: int(out.lengths[0])], skip_special=True)
+        write("model> " + text)
+        messages = turn + [{"role": "assistant", "content": text if text.strip() else "…"}]

@@ -18,7 +18,7 @@ def closing_sample(params, cfg: ModelConfig, tok, prompt: str, max_new_tokens: i
                    temperature: float = 0.8, top_p: float = 0.95, objective: str = "ar") -> str:
     """The prompt and a sampled continuation from the cached decoder (stops at EOS or the length limit); for a
     diffusion run, ``max_new_tokens`` positions from the ancestral sampler (64 steps, cut at the first EOS)."""
-    ids = np.concatenate([[tok.bos_id], tok.encode(prompt)]).astype(np.int32)[None]
+    ids = np.concatenate([tok.bos_prefix, tok.encode(prompt)]).astype(np.int32)[None]
     n_new = max(1, min(max_new_tokens, cfg.max_seq_len - ids.shape[1]))
     if objective == "diffusion":
         out = np.asarray(sample(params, cfg, ids, n_new, steps=DIFFUSION_SAMPLE_STEPS, mask_id=tok.mask_id,
@@ -58,7 +58,7 @@ def generate_from_run(run_dir, prompt: str, *, max_new_tokens: int, temperature=
     tok = tok_lib.load(run_dir)
     ckpt_step = checkpoint_step(run, step)
     check_sampling(cfg, seed, beam_width)
-    ids = np.concatenate([[tok.bos_id], tok.encode(prompt)]).astype(np.int32)
+    ids = np.concatenate([tok.bos_prefix, tok.encode(prompt)]).astype(np.int32)
     if tcfg.objective == "diffusion":
         if top_k is not None or top_p is not None or beam_width is not None:
             raise ConfigError("--top-k, --top-p and --beam are autoregressive settings: a diffusion run takes "

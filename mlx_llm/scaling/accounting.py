@@ -166,8 +166,21 @@ def mixer_layers(cfg: ModelConfig, kind: str) -> int:
 
 
 def attention_layers(cfg: ModelConfig) -> int:
-    """How many layers of the stack are attention mixers."""
-    return mixer_layers(cfg, "attn")
+    """How many layers of the stack are attention mixers (full or sliding-window)."""
+    return mixer_layers(cfg, "attn") + mixer_layers(cfg, "local")
+
+
+def keys_per_query(cfg: ModelConfig, kind: str, seq_len: int, *, causal: bool) -> float:
+    """Mean keys one query of a ``kind`` layer reads in a window of ``seq_len`` positions: T for the full
+    score matrix (``causal`` false: what ``ops.attention`` computes); (T+1)/2 causal; a sliding window W
+    reads min(t+1, W) keys at position t."""
+    T = seq_len
+    if not causal:
+        return float(T)
+    w = cfg.window(kind)
+    if w is None or w >= T:
+        return (T + 1) / 2
+    return (w * (w + 1) / 2 + (T - w) * w) / T
 
 
 def train_flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = False) -> float:
@@ -183,9 +196,8 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = Fals
     unmasked entries, (T+1)/2 keys per query on average: 6·N_mm + 6·L·(T+1)·h_q·d_h.
     """
     T = _count("seq_len", seq_len)
-    keys_per_query = (T + 1) / 2 if causal else T
-    n_attn = attention_layers(cfg)
-    attention = 12 * n_attn * keys_per_query * cfg.n_heads * cfg.d_head if n_attn else 0
+    keys = sum(mixer_layers(cfg, kind) * keys_per_query(cfg, kind, T, causal=causal) for kind in ("attn", "local"))
+    attention = 12 * keys * cfg.n_heads * cfg.d_head if keys else 0
     return float(6 * matmul_params(cfg) + attention)
 
 
@@ -215,12 +227,16 @@ def _kv_shape(model) -> KVShape:
 
 
 def kv_cache_scalars(model, seq_len: int, batch: int = 1) -> int:
-    """Cached scalars after ``seq_len`` tokens (M20 §14): 2·L·t·h_kv·d_h per sequence, times ``batch``.
+    """Cached scalars after ``seq_len`` tokens (M20 §14): 2·L·t·h_kv·d_h per sequence, times ``batch``; a
+    sliding-window layer holds min(t, W) positions (its ring buffer), not t.
 
     The 2 is one key and one value. M20's running example after its three inputs: 12.
     """
     shape = _kv_shape(model)
     t, b = _count("seq_len", seq_len, minimum=0), _count("batch", batch)
+    if isinstance(model, ModelConfig) and mixer_layers(model, "local"):  # a ring buffer of W slots per local layer
+        rows = mixer_layers(model, "attn") * t + mixer_layers(model, "local") * min(t, model.sliding_window)
+        return 2 * rows * shape.n_kv_heads * shape.d_head * b
     return 2 * shape.n_layers * t * shape.n_kv_heads * shape.d_head * b
 
 

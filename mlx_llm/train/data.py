@@ -57,17 +57,19 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 def encode_stream(docs: list[Document], tok: Tokenizer, chunk: int = 256) -> TokenSplit:
-    """``BOS doc EOS`` for each document, concatenated; documents encoded ``chunk`` at a time (batch encode)."""
+    """``BOS doc EOS`` for each document (``doc EOS`` for a tokenizer without BOS, e.g. Qwen's), concatenated;
+    documents encoded ``chunk`` at a time (batch encode)."""
     pieces = []
     for k in range(0, len(docs), chunk):
         pieces.extend(tok.encode_batch([d.text for d in docs[k : k + chunk]]))
-    lengths = np.array([len(p) + 2 for p in pieces], np.int64)
+    bos = tok.bos_prefix
+    lengths = np.array([len(bos) + len(p) + 1 for p in pieces], np.int64)
     doc_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
     out = np.empty(int(lengths.sum()), token_dtype(tok.vocab_size))
     for start, ids in zip(doc_starts.tolist(), pieces):
-        out[start] = tok.bos_id
-        out[start + 1 : start + 1 + len(ids)] = ids
-        out[start + 1 + len(ids)] = tok.eos_id
+        out[start : start + len(bos)] = bos
+        out[start + len(bos) : start + len(bos) + len(ids)] = ids
+        out[start + len(bos) + len(ids)] = tok.eos_id
     return TokenSplit(out, doc_starts)
 
 
@@ -108,27 +110,38 @@ def _read_cache(final: Path) -> dict[str, TokenSplit] | None:
 
 
 # ----- batches ------------------------------------------------------------------------------------
-def pack_windows(windows_BT1: np.ndarray, bos_id: int, pad_id: int) -> dict[str, np.ndarray]:
+def pack_windows(windows_BT1: np.ndarray, bos_id: int | None, pad_id: int, *, eos_id: int | None = None,
+                 valid_BT1: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """Windows of T+1 tokens → inputs, next-token targets and the packing arrays (M20 §2, §10).
 
     A segment starts at column 0, at each BOS and at the first PAD of a padding run; ``segment_ids`` count
     segments from 0 within a row (attention stays inside a segment) and ``positions`` restart at 0 at each
     segment start. ``mask`` (float32 b_t) drops targets that are BOS (the next document's start cannot be
     predicted from the previous one) or PAD; the EOS ending a document is a target.
+
+    A tokenizer without BOS (``bos_id`` None; ``eos_id`` then required): a segment starts after each EOS, and
+    the target whose input is that EOS (the next document's first token) is dropped instead. ``valid_BT1`` marks
+    the real tokens (False: padding); by default every token not equal to ``pad_id``, which needs a PAD of its
+    own — give it when PAD is the EOS id (Qwen's).
     """
     w_BT1 = np.asarray(windows_BT1).astype(np.int32)
     tokens_BT, targets_BT = w_BT1[:, :-1], w_BT1[:, 1:]
     b, t = tokens_BT.shape
-    is_pad_BT = tokens_BT == pad_id
+    valid_BT1 = w_BT1 != pad_id if valid_BT1 is None else np.asarray(valid_BT1, bool)
+    is_pad_BT = ~valid_BT1[:, :-1]
     prev_pad_BT = np.concatenate([np.zeros((b, 1), bool), is_pad_BT[:, :-1]], axis=1)
-    starts_BT = (tokens_BT == bos_id) | (is_pad_BT & ~prev_pad_BT)
+    if bos_id is None:
+        after_eos_BT = np.concatenate([np.zeros((b, 1), bool), tokens_BT[:, :-1] == eos_id], axis=1)
+        starts_BT, dropped_BT = after_eos_BT | (is_pad_BT & ~prev_pad_BT), tokens_BT == eos_id
+    else:
+        starts_BT, dropped_BT = (tokens_BT == bos_id) | (is_pad_BT & ~prev_pad_BT), targets_BT == bos_id
     starts_BT[:, 0] = True
     col_BT = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
     last_start_BT = np.maximum.accumulate(np.where(starts_BT, col_BT, 0), axis=1)
     return {
         "tokens": np.ascontiguousarray(tokens_BT),
         "targets": np.ascontiguousarray(targets_BT),
-        "mask": ((targets_BT != bos_id) & (targets_BT != pad_id)).astype(np.float32),
+        "mask": (~dropped_BT & valid_BT1[:, 1:]).astype(np.float32),
         "segment_ids": (np.cumsum(starts_BT, axis=1) - 1).astype(np.int32),
         "positions": (col_BT - last_start_BT).astype(np.int32),
     }
@@ -182,14 +195,17 @@ class ValSet:
     n_token_bytes: int = 0
 
 
-def val_windows(tokens: np.ndarray, seq_len: int, pad_id: int, max_tokens: int | None = None) -> np.ndarray:
+def val_windows(tokens: np.ndarray, seq_len: int, pad_id: int, max_tokens: int | None = None, *,
+                with_valid: bool = False):
     """(W, T+1) consecutive windows sharing one token at each seam (every token after the first is a target
-    once), the last padded with PAD; ``max_tokens`` caps the number of target positions covered."""
+    once), the last padded with PAD; ``max_tokens`` caps the number of target positions covered. ``with_valid``:
+    also the (W, T+1) mask of real (not padding) tokens."""
     n = int(tokens.shape[0])
     n_cover = n - 1 if max_tokens is None else min(n - 1, max_tokens)
     n_windows = math.ceil(n_cover / seq_len)
     idx_WT1 = np.arange(n_windows)[:, None] * seq_len + np.arange(seq_len + 1)[None, :]
-    return np.where(idx_WT1 <= n_cover, np.asarray(tokens)[np.minimum(idx_WT1, n - 1)], pad_id)
+    windows = np.where(idx_WT1 <= n_cover, np.asarray(tokens)[np.minimum(idx_WT1, n - 1)], pad_id)
+    return (windows, idx_WT1 <= n_cover) if with_valid else windows
 
 
 @dataclasses.dataclass
@@ -210,20 +226,25 @@ class Corpus:
         reads only those rows of it (a process's part of the global batch)."""
         starts_B = window_starts(self.train.n_tokens, step, batch_size=batch_size, seq_len=seq_len, seed=seed)[rows]
         w_BT1 = self.train.tokens[starts_B[:, None] + np.arange(seq_len + 1)[None, :]]
-        return pack_windows(w_BT1, self.tokenizer.bos_id, self.tokenizer.pad_id)
+        return self._pack(w_BT1, np.ones(w_BT1.shape, bool))
+
+    def _pack(self, w_BT1, valid_BT1) -> dict[str, np.ndarray]:
+        tok = self.tokenizer
+        return pack_windows(w_BT1, tok.bos_id, tok.pad_id, eos_id=tok.eos_id, valid_BT1=valid_BT1)
 
     def val_batches(self, seq_len: int, batch_size: int, max_tokens: int | None = None) -> ValSet:
         """The val split in order, in batches of ``batch_size`` windows (the last batch padded with PAD rows)."""
         _check_positive(seq_len=seq_len, batch_size=batch_size)
         if max_tokens is not None:
             _check_positive(max_tokens=max_tokens)
-        w_WT1 = val_windows(self.val.tokens, seq_len, self.tokenizer.pad_id, max_tokens)
+        w_WT1, valid_WT1 = val_windows(self.val.tokens, seq_len, self.tokenizer.pad_id, max_tokens, with_valid=True)
         n_rows = math.ceil(len(w_WT1) / batch_size) * batch_size
         w_WT1 = np.concatenate([w_WT1, np.full((n_rows - len(w_WT1), seq_len + 1), self.tokenizer.pad_id)])
+        valid_WT1 = np.concatenate([valid_WT1, np.zeros((n_rows - len(valid_WT1), seq_len + 1), bool)])
         byte_len = self.tokenizer.token_byte_lengths()
         batches, per_batch = [], []
         for k in range(0, n_rows, batch_size):
-            batch = pack_windows(w_WT1[k : k + batch_size], self.tokenizer.bos_id, self.tokenizer.pad_id)
+            batch = self._pack(w_WT1[k : k + batch_size], valid_WT1[k : k + batch_size])
             batches.append(batch)
             per_batch.append(int((byte_len[batch["targets"]] * batch["mask"]).sum()))
         token_bytes = sum(int((byte_len[b["tokens"]] * b["mask"]).sum()) for b in batches)
@@ -234,10 +255,9 @@ class Corpus:
         bos, byte_len = self.tokenizer.bos_id, self.tokenizer.token_byte_lengths()
         train_ids = np.asarray(self.train.tokens)
         val_ids = np.asarray(self.val.tokens)
-        val_ids = val_ids[val_ids != bos]
-        return unigram_bits_per_byte(
-            train_ids[train_ids != bos], val_ids, self.tokenizer.vocab_size, int(byte_len[val_ids].sum())
-        )
+        if bos is not None:
+            train_ids, val_ids = train_ids[train_ids != bos], val_ids[val_ids != bos]
+        return unigram_bits_per_byte(train_ids, val_ids, self.tokenizer.vocab_size, int(byte_len[val_ids].sum()))
 
 
 def encode_corpus(corpus: TextCorpus, tok: Tokenizer, cache_dir=None) -> Corpus:

@@ -10,11 +10,20 @@ Two kinds share one interface (``Tokenizer``):
 Special tokens (BOS, EOS, PAD and the chat markers reserved for SFT) are never produced from plain text:
 ``encode("<|bos|>")`` spells the characters. Pass ``parse_special=True`` to turn marker strings into their ids.
 ``decode`` writes special ids as their strings (unless ``skip_special=True``), so round trips stay exact.
+
+Roles: which special token plays BOS, EOS and PAD (``Tokenizer.roles``). Ours are ``<|bos|>``, ``<|eos|>`` and
+``<|pad|>``; an imported model's tokenizer names its own (Llama 3: ``<|begin_of_text|>`` …; Qwen: no BOS at all).
+EOS is required; without a BOS role ``bos_id`` is None and nothing is prepended (``bos_prefix`` is empty);
+without a PAD role ``pad_id`` is the EOS id (padding is never a target). A tokenizer may also carry a model's
+Jinja ``chat_template`` (post/templates.py). Both are saved in the tokenizer file and covered by the
+fingerprint; a tokenizer with our roles and no chat template is saved exactly as before (same fingerprint).
 """
 
 from __future__ import annotations
 
 import abc
+import copy
+import functools
 import hashlib
 import json
 import os
@@ -34,6 +43,9 @@ SPECIAL_TOKENS = (BOS, EOS, PAD) + CHAT_MARKERS
 MASK = "<|mask|>"  # the absorbing state of masked diffusion (objectives/diffusion.py)
 DIFFUSION_SPECIAL_TOKENS = SPECIAL_TOKENS + (MASK,)  # a diffusion run's tokenizer; AR runs keep SPECIAL_TOKENS
 TOKENIZER_FILE = "tokenizer.json"
+TOKEN_ROLES = ("bos", "eos", "pad")
+DEFAULT_ROLES = {"bos": BOS, "eos": EOS, "pad": PAD}
+EXTRAS_KEY = "mlx_llm"  # the block of a Hugging Face tokenizer file that holds roles and chat template
 _BYTE_TYPE = "mlx_llm.byte"
 
 
@@ -75,6 +87,9 @@ class Tokenizer(abc.ABC):
     """What the data pipeline, trainer and sampler rely on. Ids are ``np.int32`` arrays."""
 
     special_tokens: tuple[str, ...]
+    roles: dict[str, str]  # "bos" / "eos" / "pad" → the special token playing it ("eos" always present)
+    chat_template: str | None = None  # a model's Jinja chat template (post/templates.py), or None
+    origin: str | None = None  # the file ``load`` read (for messages); not saved
 
     # ----- what each kind implements ------------------------------------------------------------
     @property
@@ -89,6 +104,10 @@ class Tokenizer(abc.ABC):
     @abc.abstractmethod
     def _encode_plain_batch(self, texts: list[str]) -> list[np.ndarray]:
         """Encode texts with no special-token parsing."""
+
+    @abc.abstractmethod
+    def _encode_plain_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """One text with no special-token parsing → (ids, (n, 2) character spans)."""
 
     @abc.abstractmethod
     def _decode_plain(self, ids: np.ndarray) -> str:
@@ -108,16 +127,42 @@ class Tokenizer(abc.ABC):
         return {t: self.token_id(t) for t in self.special_tokens}
 
     @property
-    def bos_id(self) -> int:
-        return self.token_id(BOS)
+    def bos_id(self) -> int | None:
+        """Id of the BOS role's token; None when the tokenizer has none (Qwen): nothing is prepended then."""
+        return self.token_id(self.roles["bos"]) if "bos" in self.roles else None
+
+    @property
+    def bos_prefix(self) -> np.ndarray:
+        """What starts a document or prompt: [bos_id], or no id at all without a BOS role; (0 or 1,) int32."""
+        return np.asarray([] if self.bos_id is None else [self.bos_id], np.int32)
 
     @property
     def eos_id(self) -> int:
-        return self.token_id(EOS)
+        return self.token_id(self.roles["eos"])
 
     @property
     def pad_id(self) -> int:
-        return self.token_id(PAD)
+        """Id of the PAD role's token, else the EOS id (padding positions are never targets)."""
+        return self.token_id(self.roles["pad" if "pad" in self.roles else "eos"])
+
+    def with_chat_template(self, source: str | None) -> "Tokenizer":
+        """A copy carrying ``source`` as its Jinja chat template (None: without one)."""
+        if source is not None and not isinstance(source, str):
+            raise ConfigError(f"chat_template must be a Jinja source string or None, got {type(source).__name__}")
+        out = copy.copy(self)
+        out.chat_template = source
+        return out
+
+    def _extras(self) -> dict:
+        """What our file format adds to the tokenizer itself: roles unless ours, the chat template if any."""
+        extras = {} if self.roles == DEFAULT_ROLES else {"roles": dict(self.roles)}
+        return extras if self.chat_template is None else {**extras, "chat_template": self.chat_template}
+
+    @functools.cached_property
+    def special_pattern(self) -> re.Pattern:
+        """A regex matching any special token string (longest first), as one group."""
+        longest_first = sorted(self.special_tokens, key=len, reverse=True)  # "<s>" must not cut "<s>x"
+        return re.compile("(" + "|".join(map(re.escape, longest_first)) + ")")
 
     @property
     def mask_id(self) -> int | None:
@@ -129,12 +174,19 @@ class Tokenizer(abc.ABC):
         _check_text(text)
         if not parse_special:
             return self.encode_batch([text])[0]
-        pieces = re.split("(" + "|".join(map(re.escape, self.special_tokens)) + ")", text)
+        pieces = self.special_pattern.split(text)
         specials = self.special_ids
         plain = self.encode_batch([p for p in pieces if p not in specials])
         plain_iter = iter(plain)
         out = [np.array([specials[p]], np.int32) if p in specials else next(plain_iter) for p in pieces]
         return np.concatenate(out).astype(np.int32)
+
+    def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """Plain text (no special-token parsing, like ``encode``) → (ids (n,) int32, spans (n, 2) int64): each
+        id's [start, end) character span in ``text``; ids that share a multi-byte character each get its span."""
+        _check_text(text)
+        _utf8(text)
+        return self._encode_plain_offsets(text)
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         """Many texts at once (parallel for BPE); no special-token parsing."""
@@ -183,10 +235,12 @@ class Tokenizer(abc.ABC):
 class ByteTokenizer(Tokenizer):
     """Ids 0..255 are UTF-8 bytes; ``special_tokens`` take 256, 257, …"""
 
-    def __init__(self, special_tokens: Sequence[str] = SPECIAL_TOKENS):
-        _check_specials(special_tokens)
+    def __init__(self, special_tokens: Sequence[str] = SPECIAL_TOKENS, *, roles: dict | None = None,
+                 chat_template: str | None = None):
+        self.roles = _check_specials(special_tokens, roles)
         self.special_tokens = tuple(special_tokens)
         self._special_index = {t: 256 + k for k, t in enumerate(self.special_tokens)}
+        self.chat_template = chat_template
 
     @property
     def vocab_size(self) -> int:
@@ -200,6 +254,10 @@ class ByteTokenizer(Tokenizer):
     def _encode_plain_batch(self, texts: list[str]) -> list[np.ndarray]:
         return [np.frombuffer(t.encode("utf-8"), np.uint8).astype(np.int32) for t in texts]
 
+    def _encode_plain_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        char_of_byte = np.repeat(np.arange(len(text), dtype=np.int64), [len(c.encode("utf-8")) for c in text])
+        return self._encode_plain_batch([text])[0], np.stack([char_of_byte, char_of_byte + 1], axis=1)
+
     def _decode_plain(self, ids: np.ndarray) -> str:
         # Errors can only come from a partial multi-byte character (a cut id sequence).
         return ids.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
@@ -208,20 +266,25 @@ class ByteTokenizer(Tokenizer):
         return np.concatenate([np.ones(256, np.int32), np.zeros(len(self.special_tokens), np.int32)])
 
     def to_json(self) -> str:
-        return json.dumps({"type": _BYTE_TYPE, "version": 1, "special_tokens": list(self.special_tokens)}, indent=2)
+        return json.dumps({"type": _BYTE_TYPE, "version": 1, "special_tokens": list(self.special_tokens),
+                           **self._extras()}, indent=2)
 
 
 class BPETokenizer(Tokenizer):
     """A Hugging Face byte-level BPE ``tokenizers.Tokenizer`` behind the common interface."""
 
-    def __init__(self, hf_tokenizer, special_tokens: Sequence[str] = SPECIAL_TOKENS):
-        _check_specials(special_tokens)
+    def __init__(self, hf_tokenizer, special_tokens: Sequence[str] = SPECIAL_TOKENS, *, roles: dict | None = None,
+                 chat_template: str | None = None):
+        self.roles = _check_specials(special_tokens, roles)
         self.special_tokens = tuple(special_tokens)
         self._hf = hf_tokenizer
         self._hf.encode_special_tokens = True  # marker strings in plain text are spelled, never parsed
-        missing = [t for t in self.special_tokens if self._hf.token_to_id(t) is None]
+        self._special_index = {t: self._hf.token_to_id(t) for t in self.special_tokens}
+        missing = [t for t, i in self._special_index.items() if i is None]
         if missing:
-            raise DataError(f"the BPE tokenizer lacks the special tokens {missing}; it must define {list(self.special_tokens)}")
+            raise DataError(f"the BPE tokenizer lacks the special tokens {missing[:8]}; it must define "
+                            f"{list(self.special_tokens)[:16]}")
+        self.chat_template = chat_template
 
     @property
     def hf(self):
@@ -233,14 +296,30 @@ class BPETokenizer(Tokenizer):
         return self._hf.get_vocab_size(with_added_tokens=True)
 
     def token_id(self, token: str) -> int:
-        i = self._hf.token_to_id(token) if token in self.special_tokens else None
-        if i is None:
-            raise InputError(f"{token!r} is not a special token of this tokenizer: {list(self.special_tokens)}")
-        return i
+        if token not in self._special_index:
+            raise InputError(f"{token!r} is not a special token of this tokenizer: {list(self.special_tokens)[:16]}")
+        return self._special_index[token]
 
     def _encode_plain_batch(self, texts: list[str]) -> list[np.ndarray]:
         encodings = self._hf.encode_batch_fast(texts, add_special_tokens=False)
         return [np.asarray(e.ids, np.int32) for e in encodings]
+
+    @functools.cached_property
+    def _unprocessed(self):
+        """The tokenizer without its post-processor: the same ids (no specials are added), but offsets that no
+        ByteLevel ``trim_offsets`` has moved."""
+        if self._hf.post_processor is None:
+            return self._hf
+        from tokenizers import Tokenizer as HFTokenizer
+
+        raw = HFTokenizer.from_str(self._hf.to_str())
+        raw.post_processor = None
+        raw.encode_special_tokens = True
+        return raw
+
+    def _encode_plain_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        enc = self._unprocessed.encode(text, add_special_tokens=False)
+        return np.asarray(enc.ids, np.int32), np.asarray(enc.offsets, np.int64).reshape(-1, 2)
 
     def _decode_plain(self, ids: np.ndarray) -> str:
         return self._hf.decode(ids.tolist(), skip_special_tokens=False)
@@ -248,21 +327,31 @@ class BPETokenizer(Tokenizer):
     def token_byte_lengths(self) -> np.ndarray:
         # Byte-level BPE spells every byte as one character, so a token's byte count is its length.
         specials = set(self.special_ids.values())
-        return np.array(
-            [0 if i in specials else len(self._hf.id_to_token(i)) for i in range(self.vocab_size)], np.int32
-        )
+        return np.array([0 if i in specials else len(self._hf.id_to_token(i) or "") for i in range(self.vocab_size)],
+                        np.int32)
 
     def to_json(self) -> str:
-        return self._hf.to_str(pretty=False)
+        """The ``tokenizers`` JSON; roles other than ours and a chat template go into its "mlx_llm" block."""
+        text, extras = self._hf.to_str(pretty=False), self._extras()
+        if not extras:
+            return text
+        return text.rstrip()[:-1] + f',"{EXTRAS_KEY}":' + json.dumps(extras, ensure_ascii=False) + "}"
 
 
-def _check_specials(special_tokens: Sequence[str]) -> None:
+def _check_specials(special_tokens: Sequence[str], roles: dict | None = None) -> dict[str, str]:
+    """Distinct non-empty special tokens that include each role's token; returns the roles (ours by default)."""
     tokens = list(special_tokens)
     if not all(isinstance(t, str) and t for t in tokens) or len(set(tokens)) != len(tokens):
-        raise ConfigError(f"special_tokens = {tokens!r} is invalid: it must list distinct non-empty strings")
-    for required in (BOS, EOS, PAD):
-        if required not in tokens:
-            raise ConfigError(f"special_tokens = {tokens!r} is invalid: it must include {required!r}")
+        raise ConfigError(f"special_tokens = {tokens!r:.200} is invalid: it must list distinct non-empty strings")
+    roles = dict(DEFAULT_ROLES if roles is None else roles)
+    if set(roles) - set(TOKEN_ROLES) or "eos" not in roles or not all(isinstance(t, str) for t in roles.values()):
+        raise ConfigError(f"roles = {roles!r} is invalid: it maps some of {list(TOKEN_ROLES)} (eos required) to "
+                          f"special tokens")
+    for role in TOKEN_ROLES:
+        if role in roles and roles[role] not in tokens:
+            raise ConfigError(f"special_tokens = {tokens!r:.200} is invalid: it must include {roles[role]!r} "
+                              f"(the {role} token)")
+    return {role: roles[role] for role in TOKEN_ROLES if role in roles}
 
 
 # The largest BPE vocabulary ``train_bpe`` accepts: 4× the largest published LLM vocabulary (Gemma 3's 262,144).
@@ -322,7 +411,8 @@ def _checked_texts(texts: Iterable[str]):
 
 
 def load(path) -> Tokenizer:
-    """Load either kind from ``path`` (a ``tokenizer.json`` file or the run directory holding it)."""
+    """Load either kind from ``path`` (a ``tokenizer.json`` file or the run directory holding it), with the roles
+    and chat template it was saved with."""
     target = tokenizer_path(path)
     if not target.is_file():
         raise DataError(f"tokenizer file not found: {target} (save one with Tokenizer.save or train_bpe first)")
@@ -333,20 +423,31 @@ def load(path) -> Tokenizer:
         raise DataError(f"tokenizer file {target} is not valid JSON: {err}") from None
     if not (isinstance(obj, dict) and (obj.get("type") == _BYTE_TYPE or "model" in obj)):
         raise DataError(f"tokenizer file {target} is neither a byte tokenizer nor a Hugging Face tokenizer.json")
-    if obj.get("type") == _BYTE_TYPE:
-        specials = obj.get("special_tokens", list(SPECIAL_TOKENS))
+    byte = obj.get("type") == _BYTE_TYPE
+    if byte:
+        specials, extras = obj.get("special_tokens", list(SPECIAL_TOKENS)), obj
     else:
         specials = [t["content"] for t in obj.get("added_tokens", []) if t.get("special")]
+        extras = obj.pop(EXTRAS_KEY, None) or {}
+        if extras:  # the tokenizers library refuses keys it does not know
+            text = json.dumps(obj, ensure_ascii=False)
+    roles, chat_template = extras.get("roles"), extras.get("chat_template")
+    if not (chat_template is None or isinstance(chat_template, str)) or not (roles is None or isinstance(roles, dict)):
+        raise DataError(f"tokenizer file {target}: its roles must be an object and its chat_template a string, got "
+                        f"{type(roles).__name__} and {type(chat_template).__name__}")
     try:
-        _check_specials(specials)
+        _check_specials(specials, roles)
     except ConfigError as err:
         raise DataError(f"tokenizer file {target}: {err}") from None
-    if obj.get("type") == _BYTE_TYPE:
-        return ByteTokenizer(specials)
-    from tokenizers import Tokenizer as HFTokenizer
+    if byte:
+        tok = ByteTokenizer(specials, roles=roles, chat_template=chat_template)
+    else:
+        from tokenizers import Tokenizer as HFTokenizer
 
-    try:
-        hf = HFTokenizer.from_str(text)
-    except Exception as err:  # the Rust side raises its own exception type
-        raise DataError(f"tokenizer file {target} could not be read by tokenizers: {err}") from None
-    return BPETokenizer(hf, specials)
+        try:
+            hf = HFTokenizer.from_str(text)
+        except Exception as err:  # the Rust side raises its own exception type
+            raise DataError(f"tokenizer file {target} could not be read by tokenizers: {err}") from None
+        tok = BPETokenizer(hf, specials, roles=roles, chat_template=chat_template)
+    tok.origin = str(target)
+    return tok

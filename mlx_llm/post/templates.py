@@ -1,0 +1,272 @@
+"""A model's own Jinja chat template (``chat_template`` of its tokenizer_config.json), rendered in a sandbox, and
+the SFT loss mask over what it renders.
+
+Rendering matches transformers' ``apply_chat_template`` for the conversations mlx_llm accepts: the template is
+compiled by jinja2's ``ImmutableSandboxedEnvironment`` with ``trim_blocks`` and ``lstrip_blocks``, the
+``loopcontrols`` extension and a ``{% generation %}`` tag that renders its body; its globals are
+``raise_exception(message)``, ``strftime_now(format)``, ``dict`` and a ``namespace`` that refuses names starting
+with "_", and ``tojson`` writes JSON without HTML escaping. It sees ``messages``, ``add_generation_prompt``,
+``tools`` / ``documents`` (None) and ``bos_token`` / ``eos_token`` / ``pad_token`` for the tokenizer's roles.
+Reading an unsafe attribute (``''.__class__``, ``f.__globals__``, a list's ``append``) raises the sandbox's
+SecurityError at once (jinja2 itself would hand back an undefined value), reported as one DataError line.
+
+Token ids: the rendered text, tokenized as transformers does (``apply_chat_template(tokenize=True)`` =
+``tokenizer(text, add_special_tokens=False)``: nothing is prepended, the template writes BOS itself when it
+wants one), except that special-token strings inside message contents are spelled as text (as ``ChatTemplate``
+does), never parsed: only the template's own markup yields special ids.
+
+Where each content lies (the loss mask): the conversation is rendered a second time with each content replaced
+by a placeholder that no text contains; the placeholders split that rendering into the template's markup, and
+the real rendering must be that markup with each content put back, verbatim or stripped of surrounding
+whitespace (templates such as Llama 3's ``| trim`` it). Targets are the tokens that overlap an assistant
+content, plus the special token that directly follows it when the template puts one there (its end of turn:
+Llama 3's ``<|eot_id|>``, ChatML's ``<|im_end|>``) — what the model must learn to emit to stop. A template that
+alters contents otherwise, renders one twice, or drops an assistant reply is refused: the spans cannot be
+located. ``end`` (the stop token of decoding) is that end-of-turn token, else the tokenizer's EOS.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+
+import numpy as np
+
+from mlx_llm.errors import ConfigError, DataError, InputError
+from mlx_llm.post.chat import ChatTemplate, check_messages
+from mlx_llm.train.tokenizer import Tokenizer
+
+PLACEHOLDER = "\ue000{}\ue001"  # private-use characters around the message index: no real text holds them
+
+
+class TemplateRefusal(Exception):
+    """What the template's ``raise_exception(message)`` raises."""
+
+
+def _raise_exception(message):
+    raise TemplateRefusal(str(message))
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt):
+    return datetime.datetime.now().strftime(fmt)
+
+
+class _DictMaker:
+    """``dict(...)`` and ``dict.fromkeys(...)`` for templates, without handing them the ``dict`` type itself."""
+
+    def __call__(self, *args, **kwargs):
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args, **kwargs):
+        return dict.fromkeys(*args, **kwargs)
+
+
+@functools.lru_cache(maxsize=1)
+def environment():
+    """The one sandboxed Jinja environment (see the module docstring)."""
+    try:
+        import jinja2
+        from jinja2 import ext
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        raise ConfigError("rendering a model's chat template needs jinja2 >= 3.1.6 (pip install 'mlx_llm[hf]')"
+                          ) from None
+
+    class Sandbox(ImmutableSandboxedEnvironment):
+        def unsafe_undefined(self, obj, attribute):
+            raise jinja2.exceptions.SecurityError(
+                f"access to attribute {attribute!r} of a {type(obj).__name__!r} object is unsafe")
+
+    class Generation(ext.Extension):
+        tags = {"generation"}  # transformers' marker of assistant text; the spans are located without it
+
+        def parse(self, parser):
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    class Namespace(jinja2.utils.Namespace):
+        def __init__(*args, **kwargs):  # noqa: N805  (jinja's own signature: self travels in args)
+            for name in dict(*args[1:], **kwargs):
+                Namespace._check(name)
+            jinja2.utils.Namespace.__init__(*args, **kwargs)
+
+        def __setitem__(self, name, value):
+            Namespace._check(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def _check(name):
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(f"a namespace attribute may not start with '_': {name!r}")
+
+    env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, dict=_DictMaker(),
+                       namespace=Namespace)
+    return env
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled(source: str):
+    return environment().from_string(source)
+
+
+def compile_template(source: str, where: str):
+    """The compiled template; a syntax error is one DataError line naming ``where`` (the file) and the line."""
+    environment()  # a clear error when jinja2 is missing
+    import jinja2
+
+    if not isinstance(source, str):
+        raise DataError(f"{where}: chat_template must be a Jinja source string, got {type(source).__name__}")
+    try:
+        return _compiled(source)
+    except jinja2.exceptions.TemplateSyntaxError as err:
+        raise DataError(f"{where}: the chat template is not valid Jinja (template line {err.lineno}: "
+                        f"{err.message})") from None
+
+
+def render(template, where: str, messages, *, generation_prompt: bool, tokens: dict) -> str:
+    """One rendering. The template's ``raise_exception`` and its runtime failures are InputErrors (this
+    conversation is refused); the sandbox's refusal is a DataError (the template itself is unsafe)."""
+    import jinja2
+
+    try:
+        return template.render(messages=[dict(m) for m in messages], tools=None, documents=None,
+                               add_generation_prompt=bool(generation_prompt), **tokens)
+    except TemplateRefusal as err:
+        raise InputError(f"the chat template refuses this conversation: {err}") from None
+    except jinja2.exceptions.SecurityError as err:
+        raise DataError(f"{where}: the chat template was stopped by the sandbox ({err}); unsafe template "
+                        f"operations are refused, never run") from None
+    except Exception as err:  # template code fails like any code: UndefinedError, TypeError, …
+        raise InputError(f"the chat template failed on this conversation ({type(err).__name__}: {err})") from None
+
+
+def locate_contents(text: str, probe: str, contents: list[str]) -> list | None:
+    """[start, end) of each content in ``text`` (None for one the template left out), given ``probe``: the same
+    conversation rendered with ``PLACEHOLDER.format(k)`` as message k's content; None when ``text`` is not the
+    probe's markup with the contents put back (verbatim or stripped) — see the module docstring."""
+    hits = []
+    for k in range(len(contents)):
+        count = probe.count(PLACEHOLDER.format(k))
+        if count > 1:
+            return None
+        if count:
+            hits.append((probe.index(PLACEHOLDER.format(k)), k))
+    hits.sort()
+    markup, prev = [], 0
+    for p, k in hits:
+        markup.append(probe[prev:p])
+        prev = p + len(PLACEHOLDER.format(k))
+    markup.append(probe[prev:])
+    if not text.startswith(markup[0]):
+        return None
+    spans, pos = [None] * len(contents), len(markup[0])
+    for i, (_, k) in enumerate(hits):
+        for content in dict.fromkeys((contents[k], contents[k].strip())):
+            if text.startswith(content + markup[i + 1], pos):
+                break
+        else:
+            return None
+        spans[k] = (pos, pos + len(content))
+        pos += len(content) + len(markup[i + 1])
+    return spans if pos == len(text) else None
+
+
+def tokenize_rendered(text: str, contents: list, targets: list, tok: Tokenizer):
+    """(ids, target) of a rendered conversation: special tokens of the markup (outside every ``contents`` span)
+    become their ids, everything between them is encoded as plain text; a token is a target when it overlaps a
+    ``targets`` span, and a markup special token when it starts where a ``targets`` span ends."""
+    t_start = np.array([s for s, _ in targets], np.int64)
+    t_end = np.array([e for _, e in targets], np.int64)
+    marks = [m for m in tok.special_pattern.finditer(text) if not any(s <= m.start() < e for s, e in contents)]
+    ids, flags, pos = [], [], 0
+    for m in marks + [None]:
+        stop = len(text) if m is None else m.start()
+        if stop > pos:
+            run_ids, spans = tok.encode_offsets(text[pos:stop])
+            spans = spans + pos
+            ids.append(run_ids)
+            flags.append(((spans[:, :1] < t_end[None]) & (spans[:, 1:] > t_start[None])).any(axis=1))
+        if m is not None:
+            ids.append(np.array([tok.token_id(m.group())], np.int32))
+            flags.append(np.array([bool(np.any(t_end == m.start()))]))
+            pos = m.end()
+    if not ids:
+        return np.zeros(0, np.int32), np.zeros(0, bool)
+    return np.concatenate(ids).astype(np.int32), np.concatenate(flags).astype(bool)
+
+
+class JinjaTemplate:
+    """A tokenizer's own chat template with ``ChatTemplate``'s interface: ``render``, ``encode`` (ids and SFT
+    targets), ``end`` (the end-of-turn token decoding stops at), ``check_tokenizer``; ``to_dict`` is None (the
+    tokenizer file, not the run record, holds it)."""
+
+    def __init__(self, source: str, tok: Tokenizer, where: str | None = None):
+        self.source, self.where = source, where or tok.origin or "the tokenizer's chat template"
+        self.tokens = {f"{role}_token": token for role, token in tok.roles.items()}
+        self.specials = tuple(tok.special_tokens)
+        self._template = compile_template(source, self.where)
+        self.end = self._end_token(tok)
+
+    @classmethod
+    def of(cls, tok: Tokenizer) -> "JinjaTemplate":
+        return cls(tok.chat_template, tok)
+
+    def _end_token(self, tok: Tokenizer) -> str:
+        """The special token right after an assistant reply (probed with a two-turn conversation), else EOS."""
+        reply = PLACEHOLDER.format(1)
+        try:
+            text = self._render([{"role": "user", "content": PLACEHOLDER.format(0)},
+                                 {"role": "assistant", "content": reply}], False)
+        except InputError:
+            return tok.roles["eos"]
+        match = tok.special_pattern.match(text, text.find(reply) + len(reply)) if reply in text else None
+        return match.group() if match else tok.roles["eos"]
+
+    def _render(self, messages, generation_prompt: bool) -> str:
+        return render(self._template, self.where, messages, generation_prompt=generation_prompt, tokens=self.tokens)
+
+    def to_dict(self) -> None:
+        return None
+
+    def check_tokenizer(self, tok: Tokenizer) -> None:
+        if tuple(tok.special_tokens) != self.specials:
+            raise InputError("the chat template was read for another tokenizer (its special tokens differ)")
+
+    def render(self, messages, *, generation_prompt: bool = False) -> str:
+        """The conversation as the template writes it (``check_messages`` first, then the template's own checks)."""
+        check_messages(messages, require_assistant=not generation_prompt)
+        return self._render(messages, generation_prompt)
+
+    def encode(self, messages, tok: Tokenizer, *, generation_prompt: bool = False):
+        """(ids (n,) int32, target (n,) bool) of ``render``: targets are each assistant content's tokens and the
+        end-of-turn token after it (as ``ChatTemplate.encode``, also in a prompt's history)."""
+        text = self.render(messages, generation_prompt=generation_prompt)
+        probe = self._render([{"role": m["role"], "content": PLACEHOLDER.format(k)} for k, m in enumerate(messages)],
+                             generation_prompt)
+        spans = locate_contents(text, probe, [m["content"] for m in messages])
+        if spans is None:
+            raise InputError("the chat template changes message contents (beyond trimming whitespace) or writes one "
+                             "twice, so the replies cannot be located for the loss mask")
+        replies = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+        dropped = [k for k in replies if spans[k] is None]
+        if dropped and not generation_prompt:
+            raise InputError(f"the chat template leaves out the content of message {dropped[0]} (assistant): its "
+                             f"reply cannot be marked for the loss")
+        targets = [spans[k] for k in replies if spans[k] is not None]
+        return tokenize_rendered(text, [s for s in spans if s is not None], targets, tok)
+
+
+def template_for(tok: Tokenizer, template=None):
+    """The chat template a run renders with: the tokenizer's own Jinja template when it carries one (a model
+    imported with its ``chat_template``), else ``template`` (a run's recorded ChatTemplate), else the default
+    ``ChatTemplate()``."""
+    if tok.chat_template is not None:
+        return template if isinstance(template, JinjaTemplate) else JinjaTemplate.of(tok)
+    return ChatTemplate() if template is None else template
