@@ -9,6 +9,11 @@ buffers (``memory_analysis().temp_size_in_bytes``: everything but arguments and 
 
     python -m experiments.bench_attention                   # T = 512, 2048, 8192; B=1, H=8, G=2, K=64
     python -m experiments.bench_attention --lengths 1024 --block-q 64 --block-k 64 --save NAME
+    python -m experiments.bench_attention --lengths 1024 4096 --window 256 --save bench_attention_window
+
+``--window W`` adds flash with a sliding window of W (a "local" layer, ModelConfig.sliding_window) beside full
+causal flash, the path it replaces: its loops visit only the tiles the band touches, so its time and work grow
+as T·W instead of T².
 
 Writes experiments/results/bench_attention.json (``--save``).
 """
@@ -61,6 +66,7 @@ def main() -> None:
     ap.add_argument("--block-q", type=int, default=128)
     ap.add_argument("--block-k", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--window", type=int, help="also time flash with this sliding window against full flash")
     common.add_save_argument(ap, "bench_attention")
     args = ap.parse_args()
     print("$ " + common.command_line())
@@ -69,18 +75,26 @@ def main() -> None:
           f"{jax.devices()[0].platform} device(s), median of {args.repeats} after a warm-up")
     print(f"{'T':>6} {'flash ms':>10} {'xla ms':>10} {'time f/x':>9} {'flash MiB':>10} {'xla MiB':>10} "
           f"{'mem f/x':>8}")
-    flash = lambda q, k, v: flash_attention(q, k, v, block_q=args.block_q, block_k=args.block_k)  # noqa: E731
+    flash = functools.partial(flash_attention, block_q=args.block_q, block_k=args.block_k)
     rows = []
     for t in args.lengths:
         arrays = inputs(args.batch, t, args.heads, args.kv_heads, args.head_dim)
         variants = {"flash": compiled_grads(flash, *arrays), "xla": compiled_grads(xla, *arrays)}
+        if args.window:
+            variants["window"] = compiled_grads(functools.partial(flash, window=args.window), *arrays)
         mem = {name: fn.memory_analysis().temp_size_in_bytes / MIB for name, fn in variants.items()}
         sec = measure(variants, arrays, args.repeats)
+        windowed = (f"  window {args.window}: {sec['window'] * 1e3:.1f} ms, {sec['window'] / sec['flash']:.3f} "
+                    f"of full flash" if args.window else "")
         print(f"{t:>6} {sec['flash'] * 1e3:>10.1f} {sec['xla'] * 1e3:>10.1f} {sec['flash'] / sec['xla']:>9.2f} "
-              f"{mem['flash']:>10.1f} {mem['xla']:>10.1f} {mem['flash'] / mem['xla']:>8.3f}", flush=True)
-        rows.append({"seq_len": t, "flash_seconds": sec["flash"], "xla_seconds": sec["xla"],
-                     "flash_temp_mib": mem["flash"], "xla_temp_mib": mem["xla"],
-                     "time_ratio": sec["flash"] / sec["xla"], "memory_ratio": mem["flash"] / mem["xla"]})
+              f"{mem['flash']:>10.1f} {mem['xla']:>10.1f} {mem['flash'] / mem['xla']:>8.3f}{windowed}", flush=True)
+        row = {"seq_len": t, "flash_seconds": sec["flash"], "xla_seconds": sec["xla"],
+               "flash_temp_mib": mem["flash"], "xla_temp_mib": mem["xla"],
+               "time_ratio": sec["flash"] / sec["xla"], "memory_ratio": mem["flash"] / mem["xla"]}
+        if args.window:
+            row.update(window=args.window, window_seconds=sec["window"], window_temp_mib=mem["window"],
+                       window_time_ratio=sec["window"] / sec["flash"])
+        rows.append(row)
     common.save_from_args(args, {"args": common.arguments(args), "rows": rows})
 
 

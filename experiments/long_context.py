@@ -58,7 +58,8 @@ from mlx_llm.scaling.accounting import decode_state_bytes
 from mlx_llm.train import data as data_lib
 from mlx_llm.train.metrics import SUMMARY_FILE, write_summary
 from mlx_llm.train.parallel import make_mesh
-from mlx_llm.train.run import read_text_and_tokenizer, train_loop, train_run
+from mlx_llm.train.corpora import read_text_and_tokenizer
+from mlx_llm.train.run import train_loop, train_run
 from mlx_llm.train.step import evaluate, make_eval_step
 
 METHODS = ("none", "linear", "dynamic", "yarn")

@@ -26,7 +26,8 @@ from mlx_llm.recipes import MAIN_JOB_MODEL, MAIN_JOB_TRAIN, MAIN_JOB_VOCAB
 from mlx_llm.runs.configs import DataSpec
 from mlx_llm.train import data as data_lib
 from mlx_llm.train.parallel import make_mesh
-from mlx_llm.train.run import read_text_and_tokenizer, train_run
+from mlx_llm.train.corpora import read_text_and_tokenizer
+from mlx_llm.train.run import train_run
 from mlx_llm.train.step import device_batch, init_state, jit_train_step, optimizer_for, place_state
 
 

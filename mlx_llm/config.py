@@ -81,6 +81,10 @@ class ModelConfig(JsonConfig):
     every layer, with M20's parameter layout. Fields a kind needs are required only when a layer uses it.
 
     ``n_heads * d_head`` need not equal ``d_model`` (the generalisation of M20 §8's count).
+    ``vocab_used``: how many of the ``vocab_size`` embedding rows are tokens, when the tokenizer has fewer ids than
+    the embedding has rows (a padded vocabulary: Qwen2/Qwen3 have 151,936 rows for 151,665 ids, so the matrix
+    splits evenly over devices); unset: all of them. The padding rows are parameters like any other, but generation
+    never chooses them (their logits are −∞ when sampling, decode/generate.py), so every generated id decodes.
     ``causal`` false makes every attention layer bidirectional within a document (the masked-diffusion denoiser of
     M20 §19, objectives/diffusion.py); such a model has no KV cache and no next-token decoding.
     ``rope_scale`` multiplies every position before rotation (position interpolation, U19 §7):
@@ -115,6 +119,7 @@ class ModelConfig(JsonConfig):
     """
 
     vocab_size: int
+    vocab_used: int | None = None
     d_model: int
     n_layers: int
     n_heads: int | None = None
@@ -173,9 +178,13 @@ class ModelConfig(JsonConfig):
                 if getattr(self, name) is None:
                     raise ConfigError(f"ModelConfig.{name} is not set: layers of kind {kind!r} need it "
                                       f"(a positive integer)")
-        for name in ("n_heads", "n_kv_heads", "d_head", "d_ff", "n_experts", "moe_top_k", "moe_d_ff", "sliding_window"):
+        for name in ("n_heads", "n_kv_heads", "d_head", "d_ff", "n_experts", "moe_top_k", "moe_d_ff", "sliding_window",
+                     "vocab_used"):
             if getattr(self, name) is not None:
                 _require_int(self, name, minimum=1)
+        if self.vocab_used is not None and self.vocab_used >= self.vocab_size:
+            raise ConfigError(f"ModelConfig.vocab_used = {self.vocab_used} is invalid: it counts the token rows of a "
+                              f"padded vocabulary, so it must be < vocab_size = {self.vocab_size} (or unset)")
         _require_int(self, "n_shared_experts", minimum=0)
         if self.attention:
             self._check_attention()
@@ -234,6 +243,9 @@ class ModelConfig(JsonConfig):
         if self.rope_scaling in ("llama3", "yarn", "dynamic") and not self.rope_factor >= 1.0:
             raise ConfigError(f"ModelConfig.rope_factor = {self.rope_factor!r} is invalid for rope_scaling = "
                               f"{self.rope_scaling!r}: the context-extension factor must be >= 1")
+        if self.rope_scaling == "dynamic" and self.d_head <= 2:
+            raise ConfigError(f"ModelConfig.d_head = {self.d_head} is invalid for rope_scaling = 'dynamic': its base "
+                              f"grows with the exponent d_h/(d_h − 2), so d_head must be > 2")
         if self.rope_scaling == "llama3" and not self.rope_high_freq_factor > self.rope_low_freq_factor:
             raise ConfigError(f"ModelConfig.rope_high_freq_factor = {self.rope_high_freq_factor!r} must exceed "
                               f"rope_low_freq_factor = {self.rope_low_freq_factor!r} (llama3 blends between them)")

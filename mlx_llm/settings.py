@@ -16,7 +16,8 @@ from mlx_llm.errors import ConfigError
 def setting(default: Any, help: str, **meta) -> Any:
     """A config field with its documentation, which is also its CLI flag's help text (mlx_llm/cli), and CLI
     hints: ``choices``, ``metavar``, ``flag`` (the flag's name when it is not the field's), ``path=True`` (given
-    relative, stored absolute), ``show_default=False``, ``cli=False`` (no flag)."""
+    relative, stored absolute), ``show_default=False``, ``cli=False`` (no flag), ``nargs`` (argparse's: the flag
+    takes several values)."""
     return dataclasses.field(default=default, metadata={"help": help, **meta})
 
 

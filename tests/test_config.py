@@ -8,6 +8,7 @@ import pytest
 
 from mlx_llm import ModelConfig
 from mlx_llm.errors import ConfigError, MLXLLMError
+from helpers import tiny_cfg
 
 BASE = dict(vocab_size=32, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_head=4, d_ff=24, max_seq_len=64)
 
@@ -83,3 +84,10 @@ def test_json_errors(tmp_path):
     bad.write_text("[1, 2]")
     with pytest.raises(ConfigError, match=r"expected a JSON object of ModelConfig fields, got list"):
         ModelConfig.from_json(bad)
+
+
+def test_vocab_used_counts_the_token_rows_of_a_padded_vocabulary():
+    assert tiny_cfg(vocab_size=64, vocab_used=60).vocab_used == 60
+    for bad in (64, 65, 0, True, 3.0):
+        with pytest.raises(ConfigError, match="vocab_used"):
+            tiny_cfg(vocab_size=64, vocab_used=bad)

@@ -218,6 +218,9 @@ def test_a_checkpoint_without_its_manifest_is_refused_unless_trusted(tmp_path, s
         line = refused(tmp_path, *args)
         assert f"checkpoint {STEPS} cannot be verified ({out}/checkpoints/{STEPS}: it has no checksum manifest" in line
         assert "pass --trust-unverified" in line and f"--from-step {STEPS - INTERVAL}" in line
+    for args in (["eval", "--run", out, *cache], ["generate", "--run", out, "--prompt", "def", "--max-new-tokens", 2]):
+        read = cli_in_process(*args, "--trust-unverified")  # a command that only reads the run trusts it too
+        assert read.returncode == 0, read.stderr[-3000:]
     record = json.loads((out / "run.json").read_text())
     assert record["checksums"] is True
     del record["checksums"]  # as a version that did not record it: the earlier steps' manifests still tell

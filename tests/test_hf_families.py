@@ -243,3 +243,52 @@ def test_export_chooses_the_class_or_refuses_by_name(tok, tmp_path):
         export_model(jax.jit(init_params, static_argnums=0)(mixed, jax.random.key(0, impl="rbg")), mixed, tok,
                      tmp_path / "y")
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_a_padded_vocabulary_imports_generates_only_tokens_and_round_trips(hf, tok, tmp_path):
+    """Qwen's embedding has more rows than its tokenizer has ids (151,936 for 151,665): import keeps every row
+    and records ``vocab_used``; logits equal transformers' over all rows; generation never picks a padding row —
+    made the most likely here — and equals transformers' with those ids suppressed; export writes the same
+    checkpoint back."""
+    torch, transformers = hf
+    pad = 12
+    cfg = dataclasses.replace(family_configs(tok.vocab_size + pad)["qwen2"], vocab_used=tok.vocab_size)
+    params = nontrivial(jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(9, impl="rbg")), seed=9)
+    params["unembed"] = params["unembed"].copy()
+    params["unembed"][:, tok.vocab_size:] = 5.0 * np.abs(params["unembed"]).max()  # padding would win argmax
+    out = export_model(params, cfg, tok, tmp_path / "hf")
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == tok.vocab_size + pad
+    back = load_hf(out)
+    assert back.cfg == cfg and back.tok.vocab_size == tok.vocab_size
+    assert_same_params(back.params, params)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    ids = np.random.default_rng(3).integers(0, tok.vocab_size, (2, 20))
+    assert float(np.abs(np.asarray(forward(params, ids, cfg)) - hf_logits(hf, model, ids)).max()) <= LOGIT_TOL
+    prompt, n = ids[:, :8], 10
+    ours = np.asarray(generate(params, cfg, prompt, n, eos_id=tok.eos_id, pad_id=tok.pad_id).tokens)
+    assert ours.max() < tok.vocab_size
+    with torch.no_grad():
+        theirs = model.generate(torch.tensor(prompt), attention_mask=torch.ones(prompt.shape, dtype=torch.long),
+                                max_new_tokens=n, do_sample=False, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id,
+                                suppress_tokens=list(range(tok.vocab_size, cfg.vocab_size)))[:, 8:].numpy()
+    np.testing.assert_array_equal(ours[:, :theirs.shape[1]], theirs)
+    beams = np.asarray(generate(params, cfg, prompt, 4, beam_width=3, eos_id=tok.eos_id, pad_id=tok.pad_id).tokens)
+    assert beams.max() < tok.vocab_size
+    run = import_hf(out, tmp_path / "run")
+    assert (export_run(run, tmp_path / "again") / "model.safetensors").read_bytes() == \
+        (out / "model.safetensors").read_bytes()
+    proc = cli_in_process("generate", "--run", run, "--prompt", "def ", "--max-new-tokens", 6, "--json")
+    assert proc.returncode == 0 and max(json.loads(proc.stdout)["continuation_ids"]) < tok.vocab_size, proc.stderr
+
+
+def test_nonzero_offsets_are_named_by_their_layer_in_a_local_global_stack(tok):
+    """Layer ℓ of a stack of period P is row ℓ // P of group ℓ mod P: the refusal names ℓ, not the group order."""
+    from mlx_llm.interop.hf import check_offsets
+
+    cfg = dataclasses.replace(family_configs(tok.vocab_size)["qwen3_moe"], n_layers=4, mixer_pattern=("local", "attn"),
+                              sliding_window=W)
+    groups = [{"router_offset": np.zeros((2, 4), np.float32)} for _ in range(cfg.period)]
+    groups[1]["router_offset"][0, 2] = 0.5  # group 1 (attn), row 0: layer 1
+    groups[0]["router_offset"][1, 3] = 0.25  # group 0 (local), row 1: layer 2
+    with pytest.raises(ConfigError, match=r"2 balancing offset\(s\).*layer 1 expert 2: 0\.5, layer 2 expert 3: 0\.25"):
+        check_offsets({"blocks": groups}, cfg, "Qwen3MoeForCausalLM")

@@ -12,6 +12,7 @@ import pytest
 
 from mlx_llm import cli
 from mlx_llm.config import ModelConfig, TrainConfig
+from mlx_llm.kernels import attention_path
 from mlx_llm.train.preflight import GiB, compile_step, valid_targets
 
 TINY = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_head=16, d_ff=128,
@@ -53,6 +54,21 @@ def test_tpu_topology_compile_uses_splash_and_megablox_and_fits():
     state = 3 * 4 * HYBRID.param_count() / 4
     assert state <= out["state_bytes_per_device"] <= min(1.1 * state, sizes["arguments"])
     assert out["flops_per_step"] > 6 * HYBRID.active_param_count() * 8 * 512 * 0.5  # accounting's count
+
+
+@pytest.mark.slow
+def test_tpu_topology_compile_of_a_sliding_window_stack_runs_splash_local_masks():
+    """Local/global layers (a window of 128 in every other layer) compile for a real TPU topology with splash in
+    both kinds of layer: the local ones through splash's LocalMask, inside shard_map like the global ones."""
+    pytest.importorskip("libtpu")
+    cfg = ModelConfig(vocab_size=256, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, d_head=32, d_ff=256,
+                      max_seq_len=1024, mixer_pattern=("local", "attn"), sliding_window=128)
+    tcfg = TrainConfig(batch_size=8, seq_len=1024, mesh="fsdp=4", attention_impl="splash", compute_dtype="bfloat16")
+    with jax.enable_x64(False):
+        out = compile_step(cfg, tcfg, "tpu:v5e-4")
+    assert out["fits"] is True and out["attention_impl"] == "splash"
+    assert "splash_attention" in out["kernels_in_program"]
+    assert attention_path(tcfg.kernels("tpu", resolve=True), 1024, window=128) == "splash"
 
 
 def run_cli(argv, capsys):

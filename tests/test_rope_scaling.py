@@ -9,6 +9,7 @@ formula (below) at rtol 1e-12. Attention factors are Python floats on both sides
 
 import itertools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +21,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from helpers import tiny_cfg
+from mlx_llm.errors import ConfigError
 from mlx_llm.layers.rope_scaling import position_scale, rope_for, rope_tables
 from mlx_llm.ops import rope, rope_frequencies, rope_rotate
 
@@ -226,7 +228,7 @@ def test_rope_and_rope_for_unchanged_bitwise(dtype):
         np.testing.assert_array_equal(rope(x, pos, 10000.0, scale), want)
         np.testing.assert_array_equal(jax.jit(rope, static_argnums=(2, 3))(x, pos, 10000.0, scale),
                                       jax.jit(_rope_before, static_argnums=(2, 3))(x, pos, 10000.0, scale))
-        np.testing.assert_array_equal(rope_for(x, pos, ours(16, rope_scale=scale)), want)
+        np.testing.assert_array_equal(rope_for(pos, ours(16, rope_scale=scale), x)[0], want)
 
 
 def test_attention_factor_scales_scores_by_its_square():
@@ -245,11 +247,11 @@ def test_rope_for_dynamic_traced_seq_len():
     """Under jit the call's longest position is traced: rope_for and rope_tables pick the branch with jnp.where."""
     cfg = ours(32, rope_scaling="dynamic", rope_factor=4.0, rope_original_max_len=64)
     x = jax.random.normal(jax.random.PRNGKey(2), (2, 4, 2, 32))
-    jitted = jax.jit(rope_for, static_argnums=2)
+    jitted = jax.jit(lambda p, x: rope_for(p, cfg, x)[0])
     for top in (10, 63, 64, 200):  # seq_len = top + 1: scaled only when it exceeds T₀ = 64
         pos = jnp.array([[0, 1, 2, 3], [top - 3, top - 2, top - 1, top]])
-        eager = rope_for(x, pos, cfg)
-        np.testing.assert_allclose(jitted(x, pos, cfg), eager, rtol=1e-13, atol=1e-13)
+        eager = rope_for(pos, cfg, x)[0]
+        np.testing.assert_allclose(jitted(pos, x), eager, rtol=1e-13, atol=1e-13)
         omega, _ = rope_tables(cfg, top + 1, jnp.float64)
         np.testing.assert_allclose(eager, rope_rotate(x, pos, omega), rtol=1e-13, atol=1e-13)
         plain = rope(x, pos, cfg.rope_base)
@@ -281,8 +283,23 @@ def test_rope_for_matches_transformers_rotation(kind):
         config = hf_config(d, 4 * t0, rope_type=kind, factor=4.0, original_max_position_embeddings=t0, **rope_kw)
     cfg = ours(d, max_seq_len=4 * t0, rope_scaling=kind, rope_factor=4.0, rope_original_max_len=t0,
                **{"rope_" + k: v for k, v in rope_kw.items()})
-    got = rope_for(x, pos, cfg)
+    got = rope_for(pos, cfg, x)[0]
     np.testing.assert_allclose(got, _hf_rotate(config, x, pos), rtol=0, atol=1e-4)
     if kind == "dynamic":
         off_by_one = rope_rotate(x, pos, rope_tables(cfg, 201, jnp.float64)[0])
         assert np.abs(np.asarray(off_by_one) - _hf_rotate(config, x, pos)).max() > 1e-3
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"rope_scaling": "longrope"}, "rope_scaling = 'longrope' is invalid: valid types are"),
+    ({"rope_scaling": "llama3", "rope_scale": 0.5}, "cannot be combined with rope_scaling = 'llama3'"),
+    ({"rope_scaling": "yarn", "rope_factor": 0.5}, "the context-extension factor must be >= 1"),
+    ({"rope_scaling": "llama3", "rope_low_freq_factor": 4.0, "rope_high_freq_factor": 4.0}, "must exceed"),
+    ({"rope_scaling": "dynamic", "rope_factor": 2.0, "d_head": 2}, "d_head must be > 2"),
+    ({"rope_mscale": -1.0}, "rope_mscale = -1.0 is invalid"),
+    ({"rope_original_max_len": 0}, "rope_original_max_len = 0 is invalid"),
+])
+def test_bad_rope_settings_are_refused_by_name(fields, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        ours(fields.pop("d_head", 16), **fields)
+    assert ours(16, rope_scale=0.5).rope_scaling == "linear"  # a config written before rope_scaling existed

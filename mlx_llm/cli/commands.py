@@ -21,6 +21,7 @@ from mlx_llm.config import ModelConfig, TrainConfig
 from mlx_llm.errors import MLXLLMError
 from mlx_llm.recipes import MAIN_JOB_MODEL, MAIN_JOB_TRAIN, MAIN_JOB_VOCAB
 from mlx_llm.runs.configs import DataSpec, LoRAConfig, RunOptions, Sizing
+from mlx_llm.train.mixture import data_flag
 
 
 # ----- resuming: one rule for every training command --------------------------------------------------------
@@ -146,6 +147,8 @@ def cmd_train(args, given: dict, parser) -> int:
         if args.out is None:
             raise MLXLLMError("a multi-process run needs --out DIR (the same shared directory in every process)")
     cfg = tcfg = spec = changes = branch = None
+    if "path" in given.get("data", {}):  # --data PATH, or a mixture: NAME=PATH[:WEIGHT] ... / a mixture .json
+        given["data"] = {**given["data"], **data_flag(given["data"].pop("path"))}
     sizing = Sizing(**given.pop("sizing", {}))
     options = RunOptions(**given.pop("run", {}))
     sized = {"--time-budget": args.time_budget is not None, "--target-flops": sizing.target_flops is not None,
@@ -177,10 +180,16 @@ def cmd_train(args, given: dict, parser) -> int:
         return 0
     print(f"run: {out}")
     bound = " (diffusion NELBO: upper bounds)" if _is_diffusion(out) else ""
-    print(f"val loss {summary['val_loss']:.4f} nats/token, perplexity {summary['val_ppl']:.2f}, "
-          f"bits/byte {summary['val_bpb']:.4f}{bound} (unigram baseline {summary['unigram_val_bpb']:.4f}); "
+    bpb = ("" if summary.get("val_bpb") is None else f", bits/byte {summary['val_bpb']:.4f}{bound} (unigram "
+           f"baseline {summary['unigram_val_bpb']:.4f})")
+    print(f"val loss {summary['val_loss']:.4f} nats/token, perplexity {summary['val_ppl']:.2f}{bpb}; "
           f"wall {summary['wall_seconds']:.0f} s")
-    print("sample:\n" + summary["sample"])
+    for key in (k for k in summary if k.startswith("val_loss/")):
+        name = key.partition("/")[2]
+        extra = f", bits/byte {summary[f'val_bpb/{name}']:.4f}" if f"val_bpb/{name}" in summary else ""
+        print(f"  source {name}: val loss {summary[key]:.4f}{extra}")
+    if summary["sample"] is not None:
+        print("sample:\n" + summary["sample"])
     return 0
 
 
@@ -212,6 +221,15 @@ def _is_diffusion(run_dir) -> bool:
         return False
 
 
+def trust_of(args):
+    """``--trust-unverified`` of a command that reads a run (train/checkpoint.py imported only then)."""
+    if not getattr(args, "trust_unverified", False):
+        return contextlib.nullcontext()
+    from mlx_llm.train.checkpoint import trusting_unverified
+
+    return trusting_unverified()
+
+
 def kernels_of(given: dict):
     """The execution paths of ``--attention-impl`` / ``--moe-impl`` / ``--loss-chunk`` (default auto), resolved
     for this backend (a kernel it cannot run is refused here, before any work)."""
@@ -221,13 +239,36 @@ def kernels_of(given: dict):
                       **given.get("train", {})}).resolve()
 
 
+def cmd_eval_harness(args, given: dict) -> int:
+    """``eval --lm-eval TASKS``: the harness on the run's checkpoint (runs/harness.py); prints lm_eval's table and
+    writes its results JSON into the run (``RUN/lm_eval/<step>-<tasks>.json``). Unknown tasks are refused first."""
+    from mlx_llm.runs import harness
+
+    lm, results = harness.evaluate_run(args.run, args.lm_eval, include=args.lm_eval_include, limit=args.limit,
+                                       num_fewshot=args.num_fewshot, step=args.step, kernels=kernels_of(given))
+    path = harness.write_results(harness.results_path(args.run, lm.step, harness.task_names(args.lm_eval)), results)
+    print(harness.table(results))
+    print(f"{args.run} step {lm.step}: lm-eval results written to {path}")
+    return 0
+
+
 def cmd_eval(args, given: dict, parser) -> int:
     from mlx_llm.train.run import evaluate_run
 
+    if args.lm_eval is not None:
+        return cmd_eval_harness(args, given)
+    harness_only = [f for f, v in (("--lm-eval-include", args.lm_eval_include), ("--limit", args.limit),
+                                   ("--num-fewshot", args.num_fewshot)) if v is not None]
+    if harness_only:
+        raise MLXLLMError(f"{', '.join(harness_only)} set(s) the lm-eval harness: give --lm-eval TASK[,TASK] too")
     step, res = evaluate_run(args.run, cache_dir=args.cache_dir, step=args.step, kernels=kernels_of(given))
     bound = " (diffusion NELBO: upper bounds)" if _is_diffusion(args.run) else ""
-    print(f"{args.run} step {step}: val loss {res.loss:.4f} nats/token, perplexity {res.perplexity:.3f}, "
-          f"bits/byte {res.bits_per_byte:.4f}{bound} ({res.n_targets:,} tokens, {res.n_bytes:,} bytes)")
+    bpb = "" if res.bits_per_byte is None else f", bits/byte {res.bits_per_byte:.4f}{bound}"
+    print(f"{args.run} step {step}: val loss {res.loss:.4f} nats/token, perplexity {res.perplexity:.3f}{bpb} "
+          f"({res.n_targets:,} tokens, {res.n_bytes:,} bytes)")
+    for name, r in (res.per_source or {}).items():
+        extra = "" if r.bits_per_byte is None else f", bits/byte {r.bits_per_byte:.4f}"
+        print(f"  source {name}: val loss {r.loss:.4f}{extra} ({r.n_targets:,} tokens)")
     return 0
 
 

@@ -77,6 +77,8 @@ def add_config_flags(parser, cls, section: str, *, shown=None, only: Iterable[st
             kwargs["action"] = "store_true"
         else:
             kwargs["type"] = absolute_path if f.metadata.get("path") else TYPES[f.type]
+            if "nargs" in f.metadata:
+                kwargs["nargs"] = f.metadata["nargs"]
             if "choices" in f.metadata:
                 kwargs["choices"] = f.metadata["choices"]
             else:

@@ -105,12 +105,24 @@ def add_post(sub, kind: str) -> None:
                      exclude=POST_EXCLUDED[kind])
 
 
+def trust_flag(parser) -> None:
+    """``--trust-unverified`` of a command that reads a run's checkpoint (train/checkpoint.py)."""
+    parser.add_argument("--trust-unverified", action="store_true", help="restore a checkpoint that has no checksum "
+                        "manifest although the run writes them (deleted? copied without it?) without verifying it")
+
+
 def add_inspect(sub) -> None:
     """eval, compile, eval-task, chat: commands that read a run (or a config) and train nothing."""
     ev = sub.add_parser("eval", help="val loss, perplexity and bits per byte of a run's latest checkpoint")
+    trust_flag(ev)
     ev.add_argument("--run", type=Path, required=True, help="the run directory")
     ev.add_argument("--step", type=int, help="checkpoint step (default: latest)")
     ev.add_argument("--cache-dir", type=Path, help="token cache (default ~/.cache/mlx_llm)")
+    ev.add_argument("--lm-eval", metavar="TASK[,TASK]", help="run these lm-evaluation-harness tasks instead (the "
+                    "eval extra): print its table, write its JSON to RUN/lm_eval/<step>-<tasks>.json")
+    ev.add_argument("--lm-eval-include", type=Path, metavar="DIR", help="a folder of local lm-eval task YAMLs")
+    ev.add_argument("--limit", type=int, help="lm-eval: at most this many documents per task")
+    ev.add_argument("--num-fewshot", type=int, help="lm-eval: few-shot examples per prompt (default: each task's)")
     add_config_flags(ev, TrainConfig, "train", shown=TrainConfig(), only=KERNEL_FIELDS)
     co = sub.add_parser("compile", help="pre-flight: compile a configuration's train step ahead of time (for the "
                         "local devices or a TPU topology) and print its per-device memory")
@@ -121,11 +133,13 @@ def add_inspect(sub) -> None:
     co.add_argument("--json", action="store_true", help="print one JSON object")
     add_config_flags(co, TrainConfig, "train", shown=MAIN_JOB_TRAIN, only=COMPILE_FIELDS)
     et = sub.add_parser("eval-task", help="held-out exact match of a run on a built-in task")
+    trust_flag(et)
     et.add_argument("--run", type=Path, required=True, help="the run directory")
     et.add_argument("--task", choices=TASKS, required=True, help="a built-in task (mlx_llm.post.tasks)")
     et.add_argument("--eval-examples", "--examples", dest="examples", type=int,
                     help="how many held-out examples (default: all)")
     ch = sub.add_parser("chat", help="a terminal chat with a run, over the chat template")
+    trust_flag(ch)
     ch.add_argument("--run", type=Path, required=True, help="the run directory")
     ch.add_argument("--max-new-tokens", type=int, default=128, help="reply length limit (default %(default)s)")
     ch.add_argument("--temperature", type=float, help="sampling temperature (omit for greedy decoding)")
@@ -136,10 +150,12 @@ def add_files(sub) -> None:
     """export-merged, export, import, generate."""
     mg = sub.add_parser("export-merged", help="write a plain run with a LoRA run's adapters folded in (SFT, DPO "
                         "or RL)")
+    trust_flag(mg)
     mg.add_argument("--run", type=Path, required=True, help="the LoRA run")
     mg.add_argument("--out", type=Path, required=True, help="a new run directory")
     hx = sub.add_parser("export", help="write a run as a Hugging Face transformers checkpoint (Llama, Mamba or "
                         "Mixtral; safetensors)")
+    trust_flag(hx)
     hx.add_argument("--run", type=Path, required=True, help="the run directory")
     hx.add_argument("--to", type=Path, required=True, help="a new directory for from_pretrained")
     hx.add_argument("--step", type=int, help="checkpoint step (default: latest)")
@@ -148,6 +164,7 @@ def add_files(sub) -> None:
     hi.add_argument("--from", dest="source", type=Path, required=True, help="the transformers checkpoint directory")
     hi.add_argument("--out", type=Path, required=True, help="a new run directory")
     ge = sub.add_parser("generate", help="continue a prompt with a trained run")
+    trust_flag(ge)
     ge.add_argument("--run", type=Path, required=True, help="the run directory")
     ge.add_argument("--prompt", required=True, help="the text to continue")
     ge.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate (default %(default)s)")

@@ -58,13 +58,21 @@ def _last_valid(logits_BTV, lengths_B):
     return jnp.take_along_axis(logits_BTV, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
 
 
+def _tokens_only(logits_BxV, cfg: ModelConfig):
+    """Logits with the padding rows of a padded vocabulary (ids ≥ ``cfg.vocab_used``) at −∞: generation never
+    chooses an id the tokenizer does not have (log q and log p are then over the tokens only)."""
+    if cfg.vocab_used is None:
+        return logits_BxV
+    return jnp.where(jnp.arange(cfg.vocab_size) < cfg.vocab_used, logits_BxV, -jnp.inf)
+
+
 def _prefill(params, prompt_BT, lengths_B, cfg, max_new_tokens, kernels):
     """The prompts into an empty cache. Their attention is self-attention over the prompt, so a kernel path other
     than the reference runs it as such (``fresh``); the reference reads the cache (the decode steps always do)."""
     cache = init_cache(cfg, prompt_BT.shape[0], prompt_BT.shape[1] + max_new_tokens, params["embed"].dtype)
     fresh = attention_path(kernels, prompt_BT.shape[1]) != "xla"
     logits_BTV, cache = forward_cached(params, prompt_BT, cache, cfg, n_new_B=lengths_B, kernels=kernels, fresh=fresh)
-    return _last_valid(logits_BTV, lengths_B), cache
+    return _tokens_only(_last_valid(logits_BTV, lengths_B), cfg), cache
 
 
 # ----- sampling and greedy -------------------------------------------------------------------------
@@ -94,7 +102,8 @@ def _sample(params, prompt_BT, lengths_B, key, *, cfg, settings, max_new_tokens,
         cache, tok_B, rows = carry
         logits_B1V, cache = forward_cached(params, tok_B[:, None], cache, cfg, n_new_B=(~rows.done).astype(jnp.int32),
                                            layers=layers, kernels=kernels)
-        tok_B, rows = _select(jax.random.fold_in(key, t), logits_B1V[:, 0], rows, settings, eos_id, pad_id)
+        tok_B, rows = _select(jax.random.fold_in(key, t), _tokens_only(logits_B1V[:, 0], cfg), rows, settings, eos_id,
+                              pad_id)
         return (cache, tok_B, rows), tok_B
 
     (_, _, rows), toks_NB = jax.lax.scan(step, (cache, tok_B, rows), jnp.arange(1, max_new_tokens))
@@ -151,7 +160,8 @@ def _beam(params, prompt_BT, lengths_B, *, cfg, settings, max_new_tokens, eos_id
         n_new = (~beams.finished).reshape(-1).astype(jnp.int32)
         logits_R1V, cache = forward_cached(params, tok.reshape(-1, 1), cache, cfg, n_new_B=n_new, layers=layers,
                                            kernels=kernels)
-        parent, tok, beams = _beam_select(t, logits_R1V.reshape(b, w, v), beams, settings, eos_id, pad_id)
+        parent, tok, beams = _beam_select(t, _tokens_only(logits_R1V.reshape(b, w, v), cfg), beams, settings,
+                                          eos_id, pad_id)
         return (cache, parent, tok, beams), None
 
     (_, _, _, beams), _ = jax.lax.scan(step, (cache, parent, tok, beams), jnp.arange(1, max_new_tokens))

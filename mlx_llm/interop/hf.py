@@ -45,7 +45,8 @@ def _write_json(path: Path, obj) -> None:
 def check_offsets(params: dict, cfg: ModelConfig, name: str = "MixtralForCausalLM") -> None:
     """Mixtral and Qwen3-MoE route by the router logits alone: every balancing offset must be exactly zero."""
     groups = [params["blocks"]] if cfg.uniform else params["blocks"]
-    offsets = np.concatenate([np.asarray(g["router_offset"]) for g in groups])
+    stacked = np.stack([np.asarray(g["router_offset"]) for g in groups], axis=1)  # (L/P, P, X): row r, group g
+    offsets = stacked.reshape(-1, stacked.shape[-1])  # layer ℓ = r·P + g, in stack order
     bad = np.argwhere(offsets != 0)
     if bad.size:
         where = ", ".join(f"layer {l} expert {e}: {offsets[l, e]:.4g}" for l, e in bad[:6])
@@ -63,8 +64,10 @@ def export_model(params: dict, cfg: ModelConfig, tok: tok_lib.Tokenizer, out_dir
     arch = hf_config.architecture(cfg)
     if arch in hf_config.MOE_ARCHS:
         check_offsets(params, cfg, hf_config.CLASSES[arch])
-    if tok.vocab_size != cfg.vocab_size:
-        raise ConfigError(f"the tokenizer has {tok.vocab_size} ids but the model's vocab_size is {cfg.vocab_size}")
+    if tok.vocab_size != (cfg.vocab_used or cfg.vocab_size):
+        raise ConfigError(f"the tokenizer has {tok.vocab_size} ids but the model has "
+                          f"{cfg.vocab_used or cfg.vocab_size} token rows (vocab_used / vocab_size): they must be "
+                          f"equal")
     out_dir = Path(out_dir)
     check_new_dir(out_dir, "export directory")
     tensors = hf_weights.to_hf(params, cfg, arch)
@@ -189,9 +192,11 @@ def load_hf(hf_dir) -> HFModel:
     cfg = hf_config.from_hf(hf, arch, source)
     files = weight_files(hf_dir)
     tok = hf_tokenizer.from_hf(hf_dir, hf)  # roles from tokenizer_config.json and config.json
-    if tok.vocab_size != cfg.vocab_size:
-        raise ConfigError(f"{hf_dir}: the tokenizer has {tok.vocab_size} ids but the model's vocab_size is "
-                          f"{cfg.vocab_size}; an mlx_llm run needs them equal (every id a token, every token an id)")
+    if tok.vocab_size > cfg.vocab_size:
+        raise ConfigError(f"{hf_dir}: the tokenizer has {tok.vocab_size} ids but the model's vocab_size is only "
+                          f"{cfg.vocab_size}: an id would have no embedding row")
+    if tok.vocab_size < cfg.vocab_size:  # a padded vocabulary (Qwen's): the rows past the tokenizer pad
+        cfg = dataclasses.replace(cfg, vocab_used=tok.vocab_size)
     params = hf_weights.from_hf(read_tensors(files), cfg, arch, str(hf_dir))
     return HFModel(cfg, params, tok, hf_config.CLASSES[arch], hf_config.mlx_block(hf))
 

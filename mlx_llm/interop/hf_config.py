@@ -72,7 +72,8 @@ CARRIED = ("d_ff", "n_heads", "n_kv_heads", "d_head", "max_seq_len", "n_experts"
            "router", "router_eps", "offset_rate", "n_shared_experts", "ssm_state", "ssm_conv", "ssm_expand",
            "ssm_dt_rank", "ssm_scan", "sliding_window") + _ROPE
 KNOWN = (set(CARRIED) | {f for fields in MAPPED.values() for f in fields}
-         | {"causal", "mixer_pattern", "ffn_pattern", "qkv_bias", "qk_norm"})
+         | {"causal", "mixer_pattern", "ffn_pattern", "qkv_bias", "qk_norm"}
+         | {"vocab_used"})  # a padded vocabulary: the tokenizer's size says it (interop/hf.py), both ways
 MAMBA_MAX_SEQ_LEN = 2048  # an imported Mamba without our block: transformers' Mamba has no length limit
 
 

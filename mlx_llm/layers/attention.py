@@ -36,7 +36,8 @@ def attention_qkv(x_BTD, layer, cfg, positions_BT):
     if cfg.qk_norm:
         q_BTHK = rms_norm(q_BTHK, layer["q_norm"], cfg.norm_eps)
         k_BTGK = rms_norm(k_BTGK, layer["k_norm"], cfg.norm_eps)
-    return rope_for(q_BTHK, positions_BT, cfg), rope_for(k_BTGK, positions_BT, cfg), v_BTGK
+    q_BTHK, k_BTGK = rope_for(positions_BT, cfg, q_BTHK, k_BTGK)
+    return q_BTHK, k_BTGK, v_BTGK
 
 
 def attention_output(o_BTHK, layer) -> jax.Array:

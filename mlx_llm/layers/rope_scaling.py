@@ -91,9 +91,7 @@ def _yarn(cfg, omega: jax.Array) -> jax.Array:
 
 
 def _dynamic(cfg, seq_len, dtype) -> jax.Array:
-    d, t0, factor = cfg.d_head, cfg.rope_original_len, cfg.rope_factor
-    if d <= 2:
-        raise ConfigError(f"rope_scaling = 'dynamic' needs d_head > 2 (its exponent is d_h/(d_h − 2)); got {d}")
+    d, t0, factor = cfg.d_head, cfg.rope_original_len, cfg.rope_factor  # d > 2: ModelConfig._check_rope
     plain = rope_frequencies(d, cfg.rope_base, dtype)
     if seq_len is None:
         return plain
@@ -123,12 +121,13 @@ def rope_tables(cfg, seq_len=None, dtype=jnp.float32) -> tuple[jax.Array, float]
     raise ConfigError(f"rope_scaling = {kind!r} is not a known RoPE scaling")
 
 
-def rope_for(x_BTHK: jax.Array, positions_BT: jax.Array, cfg) -> jax.Array:
-    """RoPE of ``cfg`` applied to ``x_BTHK`` at ``positions_BT`` (what attention calls for q and k).
+def rope_for(positions_BT: jax.Array, cfg, *xs_BTHK: jax.Array) -> tuple[jax.Array, ...]:
+    """RoPE of ``cfg`` applied to each of ``xs_BTHK`` (q and k) at ``positions_BT``, from one table.
 
     For "dynamic", seq_len = max(positions) + 1 over the whole batch, as transformers takes it.
     """
-    dtype = _accum_dtype(x_BTHK.dtype)
+    dtype = _accum_dtype(xs_BTHK[0].dtype)
     seq_len = jnp.max(positions_BT) + 1 if cfg.rope_scaling == "dynamic" else None
     omega, factor = rope_tables(cfg, seq_len, dtype)
-    return rope_rotate(x_BTHK, positions_BT, omega, position_scale=position_scale(cfg), attention_factor=factor)
+    return tuple(rope_rotate(x, positions_BT, omega, position_scale=position_scale(cfg), attention_factor=factor)
+                 for x in xs_BTHK)

@@ -16,6 +16,7 @@ from mlx_llm.errors import ConfigError
 from mlx_llm.layers import layout
 from mlx_llm.post.tasks import TASKS
 from mlx_llm.train.data import DEFAULT_EXTENSIONS, DEFAULT_VAL_PERCENT, default_cache_dir
+from mlx_llm.train.mixture import parse_sources
 from mlx_llm.train.trackers import check_trackers
 
 TOKENIZERS = ("bpe", "byte")
@@ -65,17 +66,30 @@ def _check_task(owner, *, required: bool, data: str | None = None) -> None:
 class DataSpec(JsonConfig):
     """Where the pretraining text comes from and how it is tokenised."""
 
-    path: str | None = setting(None, "a text file, a directory (recursive) or a glob (default: the Python "
-                               "standard library)", flag="data")
+    path: str | None = setting(None, "a text file, a directory (recursive) or a glob; .jsonl/.jsonl.gz/.parquet "
+                               "records or a dataset saved by datasets (--text-field); .bin/.npy token ids "
+                               "(--vocab-size V); or a mixture: NAME=PATH[:WEIGHT] ... or a mixture .json "
+                               "(default: the Python standard library)", flag="data", nargs="+",
+                               metavar="PATH")
+    mixture: tuple[str, ...] = setting((), "a mixture's sources, NAME=PATH:WEIGHT each (train/mixture.py); set by "
+                                       "--data NAME=PATH[:WEIGHT] ...", cli=False)
     extensions: tuple[str, ...] = setting(DEFAULT_EXTENSIONS, "file extensions read from a directory, "
                                           "comma-separated")
     val_percent: float = setting(DEFAULT_VAL_PERCENT, "share of files held out for validation, in percent")
-    tokenizer: str = setting("bpe", "bpe (trained on the train split) or byte (UTF-8 bytes)", choices=TOKENIZERS)
+    tokenizer: str = setting("bpe", "bpe (trained on the train split), byte (UTF-8 bytes), or a tokenizer to use "
+                             "as it is: a tokenizer.json file or a Hugging Face tokenizer directory (what token "
+                             "ids in .bin/.npy shards were made with: the run then samples text and reports bits "
+                             "per byte)", metavar="bpe|byte|PATH")
     vocab_size: int = setting(DEFAULT_VOCAB, "BPE vocabulary size (special tokens included)")
+    text_field: str = setting("text", "the field holding each record's text in JSONL, parquet and saved HF datasets")
 
     def __post_init__(self) -> None:
         if self.path is not None and not isinstance(self.path, str):
             object.__setattr__(self, "path", str(self.path))
+        mixture = (self.mixture,) if isinstance(self.mixture, str) else tuple(self.mixture)
+        object.__setattr__(self, "mixture", tuple(s.spec() for s in parse_sources(mixture)))
+        if self.mixture and self.path is not None:
+            raise ConfigError(f"DataSpec: give either a path ({self.path!r}) or a mixture of sources, not both")
         exts = (self.extensions.split(",") if isinstance(self.extensions, str) else list(self.extensions))
         exts = tuple(e if e.startswith(".") else "." + e for e in (e.strip() for e in exts) if e)
         if not exts:
@@ -84,13 +98,22 @@ class DataSpec(JsonConfig):
         value = _check_number(self, "val_percent", low=0.0, positive=True)
         if value >= 100:
             raise ConfigError(f"DataSpec.val_percent = {value!r} is invalid: it must be in (0, 100)")
+        if not isinstance(self.tokenizer, str) or not self.tokenizer:
+            raise ConfigError(f"DataSpec.tokenizer = {self.tokenizer!r} is invalid: give one of {list(TOKENIZERS)} or "
+                              f"the path of a tokenizer.json file / a Hugging Face tokenizer directory")
         if self.tokenizer not in TOKENIZERS:
-            raise ConfigError(f"DataSpec.tokenizer = {self.tokenizer!r} is invalid: valid tokenizers are "
-                              f"{list(TOKENIZERS)}")
+            object.__setattr__(self, "tokenizer", _absolute(self.tokenizer))
         _check_int(self, "vocab_size", 1)
+        if not isinstance(self.text_field, str) or not self.text_field:
+            raise ConfigError(f"DataSpec.text_field = {self.text_field!r} is invalid: give a field name such as 'text'")
 
     def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "extensions": list(self.extensions)}
+        return {**dataclasses.asdict(self), "extensions": list(self.extensions), "mixture": list(self.mixture)}
+
+    @property
+    def sources(self):
+        """The mixture's ``mixture.Source``s (empty for a single source)."""
+        return parse_sources(self.mixture)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

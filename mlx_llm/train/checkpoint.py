@@ -34,6 +34,7 @@ Goodput (issue 25):
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import errno
 import fcntl
 import hashlib
@@ -58,6 +59,18 @@ LOCK_FILE = "run.lock"
 ORBAX_TMP = ".orbax-checkpoint-tmp"  # orbax writes checkpoints/<step>.orbax-checkpoint-tmp*, then renames it
 ORBAX_LATE_FILES = ("_CHECKPOINT_METADATA", "commit_success.txt")  # what orbax writes after its callback
 TRUST_FLAG = "--trust-unverified"
+_TRUSTED = contextvars.ContextVar("trust_unverified", default=False)  # set by the commands that only read a run
+
+
+@contextlib.contextmanager
+def trusting_unverified():
+    """Within: ``Checkpoints`` made without an explicit ``trust_unverified`` restore manifest-less steps
+    (``--trust-unverified`` of eval, generate, chat, eval-task, export, export-merged)."""
+    token = _TRUSTED.set(True)
+    try:
+        yield
+    finally:
+        _TRUSTED.reset(token)
 COMMANDS = {"pretrain": "train"}  # the command that resumes a run of each kind (the others: the kind's name)
 
 
@@ -82,9 +95,10 @@ class Checkpoints:
     have a manifest but has none (``--trust-unverified``)."""
 
     def __init__(self, run_dir: str | os.PathLike, keep: int = 2, *, asynchronous: bool = False,
-                 trust_unverified: bool = False):
+                 trust_unverified: bool | None = None):
         self.directory = Path(run_dir).absolute() / CHECKPOINT_DIR
-        self.keep, self.trust_unverified = keep, trust_unverified
+        self.keep = keep
+        self.trust_unverified = _TRUSTED.get() if trust_unverified is None else trust_unverified
         self._pending: tuple[int, int] | None = None  # (step, bytes) of the save orbax may still be writing
         self._writing: int | None = None  # the step orbax writes now (``_before_commit``)
         self._checksums = _record_checksums(self.directory.parent)
@@ -217,8 +231,8 @@ class Checkpoints:
                     f"run: rename {self.step_dir(step).name} to {step}.corrupt and --resume)")
         if problem == UNVERIFIED:
             return CheckpointError(f"checkpoint {step} cannot be verified ({self.step_dir(step)}: {problem}); "
-                                   f"nothing was deleted; pass {TRUST_FLAG} (train and the post-training commands) "
-                                   f"to restore it unchecked, or {then}")
+                                   f"nothing was deleted; pass {TRUST_FLAG} (every command that reads a "
+                                   f"run) to restore it unchecked, or {then}")
         return CheckpointError(f"checkpoint {step} is damaged ({self.step_dir(step)}: {problem}); nothing was "
                                f"deleted; {then}")
 

@@ -15,9 +15,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from mlx_llm.train import data as data_lib
 from mlx_llm.post import lora as lora_lib
-from mlx_llm.train import tokenizer as tok_lib
 from mlx_llm.scaling.accounting import param_count, steps_for_flops, steps_for_tokens_per_param, train_flops_per_token
 from mlx_llm.runs.branch import Branch, branch_configs, start_branch
 from mlx_llm.runs.configs import DataSpec, Sizing
@@ -26,6 +24,7 @@ from mlx_llm.runs.record import RunRecord, open_run, write_run
 from mlx_llm.runs.resume import RESUME_MAY_CHANGE, plan_resume, record_resume, schedule_config
 from mlx_llm.runs.sample import closing_sample
 from mlx_llm.train.checkpoint import check_run_dir, locked_run_dir
+from mlx_llm.train.corpora import open_data
 from mlx_llm.config import ModelConfig, TrainConfig, wsd_decay_steps
 from mlx_llm.errors import CheckpointError, ConfigError
 from mlx_llm.model import check_tokens
@@ -75,7 +74,6 @@ def lm_job(cfg: ModelConfig, tcfg: TrainConfig, corpus, mesh, *, frozen=None, lo
     mask_id = corpus.tokenizer.mask_id
     step_fn = compiled_train_step(cfg, schedule_config(tcfg, schedule_steps), mesh, mask_id, lora_cfg)
     eval_step = make_eval_step(cfg, mesh, tcfg.objective, mask_id, tcfg.kernels())
-    val_set = corpus.val_batches(tcfg.seq_len, tcfg.batch_size, tcfg.eval_tokens or None)
     base = None if lora_cfg is None else shard_tree(frozen, mesh)
     my_rows = local_rows(mesh, tcfg.batch_size)
 
@@ -87,15 +85,46 @@ def lm_job(cfg: ModelConfig, tcfg: TrainConfig, corpus, mesh, *, frozen=None, lo
     def model_params(state):
         return state.params if lora_cfg is None else lora_lib.merge(base, state.params, lora_cfg)
 
-    def val(state) -> dict:
-        return evaluate(eval_step, model_params(state), val_set, mesh, tcfg.objective).as_dict()
+    val_sets = val_sets_of(corpus, tcfg, tcfg.eval_tokens or None)
 
-    def describe(r: dict) -> str:
-        return f"val loss {r['val_loss']:.4f}, ppl {r['val_ppl']:.2f}, bits/byte {r['val_bpb']:.4f}"
+    def val(state) -> dict:
+        params = model_params(state)
+        return evaluate_sets(corpus, tcfg, lambda vs: evaluate(eval_step, params, vs, mesh, tcfg.objective),
+                             val_sets).as_dict()
 
     update = step_fn if lora_cfg is not None else (lambda state, batch, _: step_fn(state, batch))
-    return Job(update, batches, val, frozen=base, describe=describe, tokens_per_step=tcfg.batch_size * tcfg.seq_len,
+    return Job(update, batches, val, frozen=base, describe=describe_val, tokens_per_step=tcfg.batch_size * tcfg.seq_len,
                flops_per_token=train_flops_per_token(cfg, tcfg.seq_len), hlo_text=step_fn.as_text)
+
+
+def describe_val(r: dict) -> str:
+    """A validation result in words (bits per byte only when the tokens stand for known bytes)."""
+    bpb = f", bits/byte {r['val_bpb']:.4f}" if "val_bpb" in r else ""
+    per = [k.partition("/")[2] for k in r if k.startswith("val_loss/")]
+    parts = "".join(f"; {n}: {r[f'val_loss/{n}']:.4f}" + (f" ({r[f'val_bpb/{n}']:.4f} b/B)" if f"val_bpb/{n}" in r
+                                                           else "") for n in per)
+    return f"val loss {r['val_loss']:.4f}, ppl {r['val_ppl']:.2f}{bpb}{parts}"
+
+
+def val_sets_of(corpus, tcfg: TrainConfig, max_tokens: int | None) -> dict:
+    """{source name: ValSet} of a mixture, {"": ValSet} of a single corpus."""
+    if hasattr(corpus, "val_sets"):
+        return corpus.val_sets(tcfg.seq_len, tcfg.batch_size, max_tokens)
+    return {"": corpus.val_batches(tcfg.seq_len, tcfg.batch_size, max_tokens)}
+
+
+def evaluate_sets(corpus, tcfg: TrainConfig, score, val_sets: dict | None) -> EvalResult:
+    """``score`` (ValSet → EvalResult) over each source's val set; a mixture's result is the weighted mean of
+    its sources' loss and bits per byte (``per_source`` holds each one), a single corpus's its own result."""
+    val_sets = val_sets_of(corpus, tcfg, None) if val_sets is None else val_sets
+    results = {name: score(vs) for name, vs in val_sets.items()}
+    if list(results) == [""]:
+        return results[""]
+    loss = corpus.weighted({n: r.loss for n, r in results.items()})
+    bpbs = {n: r.bits_per_byte for n, r in results.items()}
+    bpb = None if None in bpbs.values() else corpus.weighted(bpbs)
+    return EvalResult(loss, float(np.exp(loss)), bpb, sum(r.n_targets for r in results.values()),
+                      sum(r.n_bytes for r in results.values()), per_source=results)
 
 
 def train_loop(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, corpus, *, resume: bool, show_progress: bool,
@@ -120,34 +149,11 @@ def train_loop(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, corpus, *, re
 
 
 # ----- whole runs -------------------------------------------------------------------------------------------
-def read_text_and_tokenizer(run_dir: Path, spec: DataSpec, cache_dir=None, objective: str = "ar"):
-    """(tokenizer, text corpus); the tokenizer is the run's own when it has one, else a new one in memory."""
-    text = data_lib.read_corpus(spec.path, extensions=spec.extensions, val_percent=spec.val_percent)
-    tok = load_tokenizer(run_dir, spec, text, objective)
-    return tok, text
-
-
-def load_tokenizer(run_dir: Path, spec: DataSpec, text_corpus, objective: str = "ar") -> tok_lib.Tokenizer:
-    """The run's tokenizer.json if present, else a new one (BPE trained on the train split only). A diffusion
-    run's tokenizer also has ``<|mask|>`` (``DIFFUSION_SPECIAL_TOKENS``); AR tokenizers keep their ids."""
-    specials = tok_lib.DIFFUSION_SPECIAL_TOKENS if objective == "diffusion" else tok_lib.SPECIAL_TOKENS
-    if (run_dir / tok_lib.TOKENIZER_FILE).is_file():
-        tok = tok_lib.load(run_dir)
-    elif spec.tokenizer == "byte":
-        tok = tok_lib.ByteTokenizer(specials)
-    else:
-        tok = tok_lib.train_bpe((d.text for d in text_corpus.train), spec.vocab_size, special_tokens=specials)
-    if objective == "diffusion" and tok.mask_id is None:
-        raise ConfigError(f"the tokenizer of {run_dir} has no {tok_lib.MASK} token: the diffusion objective needs "
-                          f"one (the absorbing state); it is added only when a run starts with --objective diffusion")
-    return tok
-
-
 def finalize_config(cfg: ModelConfig, tok, tcfg: TrainConfig) -> ModelConfig:
     """The model's vocabulary is the tokenizer's; the training length must fit the model; the diffusion
     objective trains a bidirectional denoiser (``causal`` set false), the AR objective needs a causal model."""
     if cfg.vocab_size != tok.vocab_size:
-        cfg = dataclasses.replace(cfg, vocab_size=tok.vocab_size)
+        cfg = dataclasses.replace(cfg, vocab_size=tok.vocab_size, vocab_used=None)
     if tcfg.objective == "diffusion" and cfg.causal:
         cfg = dataclasses.replace(cfg, causal=False)
     if tcfg.objective == "ar" and not cfg.causal:
@@ -222,9 +228,12 @@ def size_run(cfg: ModelConfig, tcfg: TrainConfig, sizing: Sizing, log=print) -> 
 
 def describe(cfg: ModelConfig, corpus, log) -> None:
     """The run's opening lines: the corpus and the model."""
-    encoded = "cached" if corpus.cache_hit else f"encoded in {corpus.encode_seconds:.1f} s"
-    log(f"corpus: {corpus.stats.describe()}; train {corpus.train.n_tokens:,} tokens, val "
-        f"{corpus.val.n_tokens:,} tokens ({encoded})")
+    mixture = hasattr(corpus, "sources")
+    for k, c in enumerate(corpus.corpora if mixture else [corpus]):
+        how = "cached" if c.cache_hit else f"encoded in {c.encode_seconds:.1f} s"
+        how = "token ids, read as memmaps" if c.cache_path is None else how
+        what = f"source {corpus.sources[k].name} (p {corpus.probabilities[k]:.3f})" if mixture else "corpus"
+        log(f"{what}: {c.stats.describe()}; train {c.train.n_tokens:,} tokens, val {c.val.n_tokens:,} tokens ({how})")
     active = (f", {cfg.active_param_count():,} active per token" if cfg.active_param_count() != cfg.param_count()
               else "")
     log(f"model: {cfg.param_count():,} parameters ({cfg.non_embedding_param_count():,} non-embedding{active}), "
@@ -270,7 +279,8 @@ def train_run(run_dir, cfg: ModelConfig | None, tcfg: TrainConfig | None, spec: 
     trust = bool(options is not None and options.trust_unverified)
     cfg, tcfg, spec, plan, parent, provenance = run_configs(run_dir, cfg, tcfg, spec, resume, changes, from_step,
                                                             branch, trust)
-    tok, text = read_text_and_tokenizer(parent.path if parent else run_dir, spec, cache_dir, tcfg.objective)
+    data = open_data(parent.path if parent else run_dir, spec, tcfg.objective)
+    tok = data.tokenizer
     cfg = finalize_config(cfg, tok, tcfg)
     if sizing is not None:
         if resume or branch is not None:
@@ -281,7 +291,7 @@ def train_run(run_dir, cfg: ModelConfig | None, tcfg: TrainConfig | None, spec: 
     check_fits(cfg, schedule_config(tcfg, plan.schedule_steps if plan else None), mask_id=tok.mask_id)
     if not main:
         sync("corpus")  # process 0 encodes (and caches) first; with a shared cache the others then read it
-    corpus = data_lib.encode_corpus(text, tok, cache_dir)
+    corpus = data.build(cache_dir, progress=show_progress)
     if main:
         sync("corpus")
     if time_budget is not None:
@@ -305,20 +315,25 @@ def train_run(run_dir, cfg: ModelConfig | None, tcfg: TrainConfig | None, spec: 
                          schedule_steps=plan.schedule_steps if plan else None,
                          on_restored=(lambda: record_resume(run_dir, tcfg, plan)) if resume and main else None,
                          options=options)
-        summary = finish_run(run_dir, out, cfg, tcfg, tok, corpus, sample_prompt, sample_tokens)
+        summary = finish_run(run_dir, out, cfg, tcfg, tok, corpus, sample_prompt, sample_tokens, log)
     return summary
 
 
 def finish_run(run_dir: Path, out: dict, cfg: ModelConfig, tcfg: TrainConfig, tok, corpus, sample_prompt: str,
-               sample_tokens: int) -> dict:
+               sample_tokens: int, log=print) -> dict:
     """After the loop: the loss plot, the closing sample and summary.json (process 0); the summary."""
     summary = {**out["summary"], "unigram_val_bpb": corpus.unigram_bits_per_byte()}
     params = gather_to_host(out["state"].params)  # whole arrays in every process: the decoder is local
     if is_main_process():
         plot_losses(run_dir / METRICS_FILE, run_dir / PLOT_FILE)
-        summary["sample"] = closing_sample(params, cfg, tok, sample_prompt, sample_tokens, seed=tcfg.seed,
-                                           objective=tcfg.objective)
-        (run_dir / SAMPLE_FILE).write_text(summary["sample"], encoding="utf-8")
+        if tok.external:  # token ids without their tokenizer: there is no text to show
+            summary["sample"] = None
+            log("no closing sample: this run's tokens are ids from an external tokenizer (mlx-llm generate --run "
+                "takes and prints ids)")
+        else:
+            summary["sample"] = closing_sample(params, cfg, tok, sample_prompt, sample_tokens, seed=tcfg.seed,
+                                               objective=tcfg.objective)
+            (run_dir / SAMPLE_FILE).write_text(summary["sample"], encoding="utf-8")
         write_summary(run_dir, summary)
     sync("written")
     return summary
@@ -331,11 +346,11 @@ def evaluate_run(run_dir, *, cache_dir=None, step: int | None = None, kernels=No
     cfg, tcfg = run.cfg, run.tcfg
     if run.record.data is None:
         raise ConfigError(f"{run.path} records no corpus settings: there is no validation split to evaluate on")
-    tok, text = read_text_and_tokenizer(run.path, run.record.data, cache_dir, tcfg.objective)
-    corpus = data_lib.encode_corpus(text, tok, cache_dir)
+    data = open_data(run.path, run.record.data, tcfg.objective)
+    corpus = data.build(cache_dir)
     mesh = make_mesh()
     ckpt_step = checkpoint_step(run, step)
     params = load_params(run, ckpt_step)
-    val_set = corpus.val_batches(tcfg.seq_len, tcfg.batch_size, None)
-    eval_step = make_eval_step(cfg, mesh, tcfg.objective, tok.mask_id, kernels)
-    return ckpt_step, evaluate(eval_step, params, val_set, mesh, tcfg.objective)
+    eval_step = make_eval_step(cfg, mesh, tcfg.objective, data.tokenizer.mask_id, kernels)
+    return ckpt_step, evaluate_sets(corpus, tcfg, lambda vs: evaluate(eval_step, params, vs, mesh, tcfg.objective),
+                                    None)

@@ -394,13 +394,20 @@ def device_batch(batch: dict, mesh, global_size: int | None = None) -> dict:
 class EvalResult:
     loss: float  # nats per target token
     perplexity: float
-    bits_per_byte: float
+    bits_per_byte: float | None  # None when the scored tokens stand for no known bytes (token ids, IdTokenizer)
     n_targets: int
     n_bytes: int
+    per_source: dict | None = None  # a mixture's {source name: EvalResult}; this result is their weighted mean
 
     def as_dict(self) -> dict:
-        return {"val_loss": self.loss, "val_ppl": self.perplexity, "val_bpb": self.bits_per_byte,
-                "val_targets": self.n_targets, "val_bytes": self.n_bytes}
+        bpb = {} if self.bits_per_byte is None else {"val_bpb": self.bits_per_byte}
+        out = {"val_loss": self.loss, "val_ppl": self.perplexity, **bpb, "val_targets": self.n_targets,
+               "val_bytes": self.n_bytes}
+        for name, r in (self.per_source or {}).items():
+            out[f"val_loss/{name}"] = r.loss
+            if r.bits_per_byte is not None:
+                out[f"val_bpb/{name}"] = r.bits_per_byte
+        return out
 
 
 def evaluate(eval_step: Callable, params, val_set, mesh, objective: str = "ar") -> EvalResult:
@@ -415,4 +422,5 @@ def evaluate(eval_step: Callable, params, val_set, mesh, objective: str = "ar") 
     n = float(sum(float(c) for _, c in totals))
     loss = nll / n
     n_bytes = val_set.n_token_bytes if objective == "diffusion" else val_set.n_bytes
-    return EvalResult(loss, float(perplexity(loss)), float(bits_per_byte(nll, n_bytes)), int(n), int(n_bytes))
+    bpb = float(bits_per_byte(nll, n_bytes)) if n_bytes > 0 else None
+    return EvalResult(loss, float(perplexity(loss)), bpb, int(n), int(n_bytes))

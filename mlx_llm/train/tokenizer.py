@@ -47,6 +47,7 @@ TOKEN_ROLES = ("bos", "eos", "pad")
 DEFAULT_ROLES = {"bos": BOS, "eos": EOS, "pad": PAD}
 EXTRAS_KEY = "mlx_llm"  # the block of a Hugging Face tokenizer file that holds roles and chat template
 _BYTE_TYPE = "mlx_llm.byte"
+_IDS_TYPE = "mlx_llm.ids"  # IdTokenizer: a run over token ids whose tokenizer is external
 
 
 def _check_text(text) -> None:
@@ -90,6 +91,7 @@ class Tokenizer(abc.ABC):
     roles: dict[str, str]  # "bos" / "eos" / "pad" → the special token playing it ("eos" always present)
     chat_template: str | None = None  # a model's Jinja chat template (post/templates.py), or None
     origin: str | None = None  # the file ``load`` read (for messages); not saved
+    external = False  # True for IdTokenizer: the ids come from a tokenizer this run does not have
 
     # ----- what each kind implements ------------------------------------------------------------
     @property
@@ -270,6 +272,69 @@ class ByteTokenizer(Tokenizer):
                            **self._extras()}, indent=2)
 
 
+class IdTokenizer(Tokenizer):
+    """The tokenizer of a run trained on token ids (pre-tokenized shards, train/tokens.py) whose real tokenizer is
+    external: V ids and nothing else — no special tokens, no BOS/EOS/PAD role, no byte lengths (so no bits per
+    byte). Its "text" is the ids in decimal: ``encode("464 3290")`` → [464, 3290] (spaces or commas between
+    ids; each checked < V) and ``decode`` writes each id as " <id>", so ``mlx-llm generate`` on such a run takes
+    and prints ids, and a prompt followed by its continuation reads as one list."""
+
+    external = True
+
+    def __init__(self, vocab_size: int):
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+            raise ConfigError(f"vocab_size = {vocab_size!r} is invalid: it must be a positive integer")
+        self._vocab_size, self.special_tokens, self.roles = vocab_size, (), {}
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    def token_id(self, token: str) -> int:
+        raise InputError(f"{token!r}: a run over token ids has no special tokens (its tokenizer is external)")
+
+    @property
+    def bos_id(self) -> None:
+        return None
+
+    @property
+    def eos_id(self) -> None:
+        """None: no id is known to end a document, so generation runs to its length limit."""
+        return None
+
+    @property
+    def pad_id(self) -> int:
+        """Id 0 fills padding positions; they are marked invalid explicitly and never scored."""
+        return 0
+
+    @functools.cached_property
+    def special_pattern(self) -> re.Pattern:
+        return re.compile("((?!))")  # matches nothing: there is no special token to parse
+
+    def _encode_plain_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [self._encode_plain_offsets(t)[0] for t in texts]
+
+    def _encode_plain_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        ids, spans = [], []
+        for m in re.finditer(r"[^\s,]+", text):
+            word = m.group()
+            if not (word.isascii() and word.isdigit()) or int(word) >= self._vocab_size:
+                raise InputError(f"{word!r} is not a token id: this run was trained on token ids (an external "
+                                 f"tokenizer), so text is written as ids 0..{self._vocab_size - 1}, e.g. '464 3290'")
+            ids.append(int(word))
+            spans.append(m.span())
+        return np.asarray(ids, np.int32), np.asarray(spans, np.int64).reshape(-1, 2)
+
+    def _decode_plain(self, ids: np.ndarray) -> str:
+        return "".join(f" {int(i)}" for i in ids)
+
+    def token_byte_lengths(self) -> np.ndarray:
+        return np.zeros(self._vocab_size, np.int32)
+
+    def to_json(self) -> str:
+        return json.dumps({"type": _IDS_TYPE, "version": 1, "vocab_size": self._vocab_size}, indent=2)
+
+
 class BPETokenizer(Tokenizer):
     """A Hugging Face byte-level BPE ``tokenizers.Tokenizer`` behind the common interface."""
 
@@ -421,6 +486,8 @@ def load(path) -> Tokenizer:
         obj = json.loads(text)
     except json.JSONDecodeError as err:
         raise DataError(f"tokenizer file {target} is not valid JSON: {err}") from None
+    if isinstance(obj, dict) and obj.get("type") == _IDS_TYPE:
+        return _load_ids(obj, target)
     if not (isinstance(obj, dict) and (obj.get("type") == _BYTE_TYPE or "model" in obj)):
         raise DataError(f"tokenizer file {target} is neither a byte tokenizer nor a Hugging Face tokenizer.json")
     byte = obj.get("type") == _BYTE_TYPE
@@ -449,5 +516,14 @@ def load(path) -> Tokenizer:
         except Exception as err:  # the Rust side raises its own exception type
             raise DataError(f"tokenizer file {target} could not be read by tokenizers: {err}") from None
         tok = BPETokenizer(hf, specials, roles=roles, chat_template=chat_template)
+    tok.origin = str(target)
+    return tok
+
+
+def _load_ids(obj: dict, target: Path) -> IdTokenizer:
+    try:
+        tok = IdTokenizer(obj.get("vocab_size"))
+    except ConfigError as err:
+        raise DataError(f"tokenizer file {target}: {err}") from None
     tok.origin = str(target)
     return tok
