@@ -208,3 +208,16 @@ def test_shards_with_their_tokenizer_sample_text_and_report_bits_per_byte(tmp_pa
     corpus = token_corpus(tmp_path / "*.bin", tok, 10.0)
     batch = corpus.train_batch(0, batch_size=2, seq_len=16, seed=0)
     assert not batch["mask"][batch["targets"] == tok.bos_id].any()  # a document's BOS is never a target
+
+
+@pytest.mark.slow
+def test_a_run_over_one_npy_array_trains_on_its_tail_split(tmp_path):
+    ids = ids_of(4000, 7).astype(np.int32)
+    np.save(tmp_path / "ids.npy", ids)
+    out = tmp_path / "run"
+    res = cli_in_process("train", "--data", tmp_path / "ids.npy", "--vocab-size", V, "--val-percent", 10, "--out", out,
+                         *tiny_config(tmp_path))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "npy int32" in res.stdout and "val: the last 10% of the ids (400)" in res.stdout
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["val_targets"] for r in rows if "val_loss" in r] == [399, 399]  # every val id after the first

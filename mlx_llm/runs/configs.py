@@ -80,7 +80,8 @@ class DataSpec(JsonConfig):
                              "as it is: a tokenizer.json file or a Hugging Face tokenizer directory (what token "
                              "ids in .bin/.npy shards were made with: the run then samples text and reports bits "
                              "per byte)", metavar="bpe|byte|PATH")
-    vocab_size: int = setting(DEFAULT_VOCAB, "BPE vocabulary size (special tokens included)")
+    vocab_size: int = setting(DEFAULT_VOCAB, "BPE vocabulary size (special tokens included); for .bin/.npy token "
+                              "ids without --tokenizer, the model's vocabulary (above every id)")
     text_field: str = setting("text", "the field holding each record's text in JSONL, parquet and saved HF datasets")
 
     def __post_init__(self) -> None:
@@ -98,9 +99,11 @@ class DataSpec(JsonConfig):
         value = _check_number(self, "val_percent", low=0.0, positive=True)
         if value >= 100:
             raise ConfigError(f"DataSpec.val_percent = {value!r} is invalid: it must be in (0, 100)")
-        if not isinstance(self.tokenizer, str) or not self.tokenizer:
-            raise ConfigError(f"DataSpec.tokenizer = {self.tokenizer!r} is invalid: give one of {list(TOKENIZERS)} or "
-                              f"the path of a tokenizer.json file / a Hugging Face tokenizer directory")
+        path_like = isinstance(self.tokenizer, str) and ("/" in self.tokenizer or self.tokenizer.endswith(".json"))
+        if not isinstance(self.tokenizer, str) or not (self.tokenizer in TOKENIZERS or path_like):
+            raise ConfigError(f"DataSpec.tokenizer = {self.tokenizer!r} is invalid: valid tokenizers are "
+                              f"{list(TOKENIZERS)}, or a path: a tokenizer .json file or a Hugging Face tokenizer "
+                              f"directory (./NAME for one here)")
         if self.tokenizer not in TOKENIZERS:
             object.__setattr__(self, "tokenizer", _absolute(self.tokenizer))
         _check_int(self, "vocab_size", 1)
