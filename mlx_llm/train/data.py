@@ -385,11 +385,16 @@ def window_starts(n_tokens: int, step: int, *, batch_size: int, seq_len: int, se
     for name, v in (("seed", seed), ("step", step)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
             raise ConfigError(f"{name} = {v!r} is invalid: it must be an integer ≥ 0")
+    check_window_fits(n_tokens, seq_len)
+    return np.random.default_rng([int(seed), int(step)]).integers(0, n_tokens - seq_len, size=batch_size)
+
+
+def check_window_fits(n_tokens: int, seq_len: int) -> None:
+    """A window of T + 1 tokens must fit the train split."""
     if n_tokens < seq_len + 1:
         raise ConfigError(
             f"seq_len = {seq_len} is too long for a train split of {n_tokens} tokens: it must be ≤ {n_tokens - 1}"
         )
-    return np.random.default_rng([int(seed), int(step)]).integers(0, n_tokens - seq_len, size=batch_size)
 
 
 def first_until(items: list, size, budget: int) -> list:

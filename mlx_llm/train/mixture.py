@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from mlx_llm.errors import ConfigError
-from mlx_llm.train.data import window_starts
+from mlx_llm.train.data import check_window_fits
 
 NAME_RE = re.compile(r"[A-Za-z0-9_.-]+")
 
@@ -147,7 +147,7 @@ class MixtureCorpus:
             sel = np.flatnonzero(src_B == k)
             if sel.size:
                 n = corpus.train.n_tokens
-                window_starts(n, step, batch_size=1, seq_len=seq_len, seed=seed)  # the same length check
+                check_window_fits(n, seq_len)
                 starts_B[sel] = np.random.default_rng([int(seed), int(step), 1 + k]).integers(0, n - seq_len, sel.size)
         mine = np.arange(batch_size)[rows]
         w_BT1 = np.stack([self.corpora[src_B[r]].train.tokens[starts_B[r] + np.arange(seq_len + 1)] for r in mine])
