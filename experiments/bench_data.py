@@ -41,7 +41,7 @@ CHILD = textwrap.dedent("""
     import hashlib, json, resource, sys, time
     from pathlib import Path
     import numpy as np
-    from mlx_llm.train import data as D, tokenizer as T
+    from mlx_llm.data import packing as D, tokenizer as T
 
     mode, corpus, tok_file, cache, workers = sys.argv[1:6]
     tok = T.load(tok_file)
@@ -87,7 +87,7 @@ def write_corpus(root: Path, n_bytes: int, seed: int = 0) -> Path:
 
 
 def make_tokenizer(kind: str, corpus: Path, out: Path) -> Path:
-    from mlx_llm.train import tokenizer as T
+    from mlx_llm.data import tokenizer as T
 
     if kind == "byte":
         return T.ByteTokenizer().save(out)

@@ -27,7 +27,7 @@ import numpy as np
 
 from experiments import common
 from mlx_llm.kernels.loss import choose_chunk, chunked_token_nll
-from mlx_llm.objectives.loss import token_nll
+from mlx_llm.ops import token_nll
 from mlx_llm.ops import dense
 
 MIB = 2**20

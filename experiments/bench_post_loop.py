@@ -1,5 +1,5 @@
 """DPO steps per second: the one training loop (train/loop.py: metrics read back every --log-interval steps,
-the update compiled on the mesh) against the loop it replaced (post/loop.py's post_loop before issue 21: every
+the update compiled on the mesh) against the loop it replaced (post/prologue.py's post_loop before issue 21: every
 step's metrics read back to the host and written at once), in the same process, on the same data and update.
 
     python -m experiments.bench_post_loop [--model main|tiny] [--steps 60] [--rounds 4] [--log-interval 10]
@@ -28,13 +28,13 @@ import jax.numpy as jnp
 from experiments.common import add_save_argument, save_from_args
 from mlx_llm.config import TrainConfig
 from mlx_llm.model import init_params
-from mlx_llm.post import dpo, loop
+from mlx_llm.post import dpo, prologue as loop
 from mlx_llm.post import pairs as pairs_lib
-from mlx_llm.post.chat import ChatTemplate
+from mlx_llm.data.chat import ChatTemplate
 from mlx_llm.recipes import MAIN_JOB_MODEL
 from mlx_llm.train.parallel import batch_sharding, make_mesh, shard_tree
 from mlx_llm.train.step import init_state, optimizer_for, place_state
-from mlx_llm.train.tokenizer import ByteTokenizer
+from mlx_llm.data.tokenizer import ByteTokenizer
 
 
 def setup(args):
@@ -52,10 +52,10 @@ def setup(args):
 
 
 def compiled(cfg, tcfg, params, data, objective):
-    """The run's update compiled once on the mesh (post/loop.compiled_update), used by both loops: what differs
+    """The run's update compiled once on the mesh (train/preflight.compiled_update), used by both loops: what differs
     between them is the loop alone."""
     trainable = jax.tree.map(jnp.copy, params)
-    return loop.compiled_update(cfg, tcfg, objective, trainable, {"reference": params},
+    return preflight.compiled_update(cfg, tcfg, objective, trainable, {"reference": params},
                                 data.train_batch(0, tcfg.batch_size, tcfg.seed))
 
 

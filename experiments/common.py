@@ -7,7 +7,7 @@ of machine load during the run hits all of them alike. ``carry`` turns a trainin
 *args)`` into a function of no arguments that keeps its own state, so a step is timed like anything else.
 
 Equal time. ``train_for_seconds`` sizes a pretraining run with the library's own ``fit_time_budget`` (the step
-timed by ``mlx_llm.train.run.seconds_per_step`` on the run's first batch, after compiling), the path
+timed by ``mlx_llm.train.lm.seconds_per_step`` on the run's first batch, after compiling), the path
 ``mlx-llm train --time-budget`` takes. Fine-tuning steps have no such function in the library, so
 ``sft_steps_for`` times them here (``sft_seconds_per_step``, on real packed task rows, LoRA or full).
 
@@ -128,7 +128,7 @@ def train_for_seconds(run_dir, cfg, tcfg, spec, budget: float, *, cache_dir=None
     """``train_run`` with as many steps as fit ``budget`` seconds of training loop, chosen by the library's
     ``fit_time_budget``; evaluation and checkpoint only at the end. Prints the budget's line; returns the run's
     summary plus ``step_seconds``, the loop's measured seconds per step (train_seconds / steps)."""
-    from mlx_llm.train.run import train_run
+    from mlx_llm.runs.pretrain import train_run
 
     label = label or Path(run_dir).name
 
@@ -148,24 +148,25 @@ def sft_seconds_per_step(base_run, tcfg, task: str, lora_cfg=None, rounds: int =
     from ``base_run``'s tokenizer, after one compiling call."""
     import jax
 
-    from mlx_llm.post import lora as lora_lib
-    from mlx_llm.post.chat import ChatTemplate
-    from mlx_llm.post.loop import load_base
+    from mlx_llm import lora as lora_lib
+    from mlx_llm.data.chat import ChatTemplate
+    from mlx_llm.post.prologue import load_base
     from mlx_llm.post.sft import load_data
-    from mlx_llm.train import tokenizer as tok_lib
+    from mlx_llm.data import tokenizer as tok_lib
     from mlx_llm.train.parallel import make_mesh, replicated
-    from mlx_llm.train.step import device_batch, init_state, jit_train_step, optimizer_for
+    from mlx_llm.train.step import device_batch, init_state, jit_update, lm_update, optimizer_for
 
     base = load_base(base_run)
     cfg, params = base.cfg, base.params
     data = load_data(tok_lib.load(base_run), ChatTemplate(), tcfg.seq_len, task=task, n_train=2000, seed=0)
     mesh = make_mesh()
     trainable = params if lora_cfg is None else lora_lib.init(params, lora_cfg, jax.random.key(0))
-    extra = () if lora_cfg is None else (jax.device_put(params, replicated(mesh)),)
-    step = jit_train_step(cfg, tcfg, mesh, None, lora_cfg)
+    frozen = None if lora_cfg is None else jax.device_put(params, replicated(mesh))
+    model_of = None if lora_cfg is None else lora_lib.model_of(lora_cfg)
     state = jax.device_put(init_state(cfg, tcfg, optimizer_for(tcfg), trainable), replicated(mesh))
+    step = jit_update(lm_update(cfg, tcfg, optimizer_for(tcfg), model_of=model_of), state, frozen, mesh)
     batch = device_batch(data.train_batch(0, batch_size=tcfg.batch_size, seq_len=tcfg.seq_len, seed=0), mesh)
-    return time_steps(carry(step, state, batch, *extra), warmup=1, rounds=rounds)
+    return time_steps(carry(step, state, batch, frozen), warmup=1, rounds=rounds)
 
 
 def sft_steps_for(base_run, tcfg, task: str, budget: float, lora_cfg=None):

@@ -32,7 +32,7 @@ from experiments.common import CONFIGS
 from mlx_llm import ModelConfig, generate
 from mlx_llm.decode.diffusion import sample
 from mlx_llm.recipes import MAIN_JOB_TRAIN, MAIN_JOB_VOCAB
-from mlx_llm.train import tokenizer as tok_lib
+from mlx_llm.data import tokenizer as tok_lib
 from mlx_llm.runs.configs import DataSpec
 from mlx_llm.runs.load import load_params
 from mlx_llm.runs.record import open_run

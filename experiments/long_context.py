@@ -14,7 +14,7 @@ fine-tune, and sliding-window decoding against full attention.
    step reads the pretraining step's 4,096 tokens; peak lr ``--ft-lr``, cosine, new optimizer moments), starting
    from the trained weights with the scaled config, and evaluated again at T. The library's pretraining command
    cannot start from given parameters with a changed ModelConfig (a branch keeps its parent's configs), so each
-   fine-tune is the library's own loop, ``train.run.train_loop(..., initial_params=...)`` (the path SFT takes),
+   fine-tune is the library's own loop, ``train.lm.train_loop(..., initial_params=...)`` (the path SFT takes),
    in a run directory of its own (``--out/ft-METHOD-T``: config, train config, run.json recording the base it
    started from, checkpoint, metrics, summary). A fine-tune at T₀ itself (no scaling) is the control: what the
    extra steps alone give.
@@ -55,11 +55,14 @@ from mlx_llm.runs.configs import DataSpec
 from mlx_llm.runs.load import load_params
 from mlx_llm.runs.record import RUN_FILE, RunRecord, open_run, write_run
 from mlx_llm.scaling.accounting import decode_state_bytes
-from mlx_llm.train import data as data_lib
+from mlx_llm.data import text as text_lib
+from mlx_llm.data import encoding as encoding_lib
 from mlx_llm.train.metrics import SUMMARY_FILE, write_summary
 from mlx_llm.train.parallel import make_mesh
-from mlx_llm.train.corpora import read_text_and_tokenizer
-from mlx_llm.train.run import train_loop, train_run
+from mlx_llm.data.corpora import read_text_and_tokenizer
+from mlx_llm.runs.resume import open_resume
+from mlx_llm.train.lm import train_loop
+from mlx_llm.runs.pretrain import train_run
 from mlx_llm.train.step import evaluate, make_eval_step
 
 METHODS = ("none", "linear", "dynamic", "yarn")
@@ -85,7 +88,7 @@ FULL = Setting(base=dataclasses.replace(MAIN_JOB_TRAIN, log_interval=25), data=N
                window=256, contexts=(1024, 4096, 16384), new_tokens=64, repeats=5, chunk=1024)
 QUICK = Setting(base=dataclasses.replace(MAIN_JOB_TRAIN, steps=12, batch_size=8, seq_len=32, warmup_steps=2,
                                          eval_interval=12, checkpoint_interval=12, eval_tokens=2048, log_interval=4),
-                data=str(data_lib.stdlib_root() / "json"), eval_tokens=2048, ft_steps=3, window=256,
+                data=str(text_lib.stdlib_root() / "json"), eval_tokens=2048, ft_steps=3, window=256,
                 contexts=(1024, 4096), new_tokens=4, repeats=2, chunk=1024)
 
 
@@ -155,7 +158,7 @@ def fine_tune(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, params, corpus
                                                             "experiment": "experiments/long_context.py"}))
         corpus.tokenizer.save(run_dir)
     start = jax.tree.map(jnp.copy, params)  # the first step donates the state: keep the caller's weights
-    out = train_loop(run_dir, cfg, tcfg, corpus, resume=resume, show_progress=False, log=quiet, initial_params=start)
+    out = train_loop(run_dir, cfg, tcfg, corpus, plan=open_resume(run_dir).plan if resume else None, show_progress=False, log=quiet, initial_params=start)
     return write_summary(run_dir, out["summary"])
 
 
@@ -164,7 +167,7 @@ def extension_rows(out: Path, setting: Setting, spec: DataSpec, lr: float, cache
     base_run = open_run(out / "base")
     params, cfg, t0 = load_params(base_run), base_run.cfg, setting.base.seq_len
     tok, text = read_text_and_tokenizer(base_run.path, spec, cache_dir)
-    corpus = data_lib.encode_corpus(text, tok, cache_dir)
+    corpus = encoding_lib.encode_corpus(text, tok, cache_dir)
     origin = {"run": str(base_run.path), "step": base_run.checkpoint_steps()[-1]}
     ref_ft = fine_tune(out / f"ft-none-{t0}", cfg, ft_config(setting, t0, setting.ft_steps, lr), params, corpus, spec,
                        origin)

@@ -31,7 +31,7 @@ from experiments.common import CONFIGS
 from mlx_llm import ModelConfig
 from mlx_llm.recipes import MAIN_JOB_TRAIN, MAIN_JOB_VOCAB
 from mlx_llm.runs.configs import DataSpec
-from mlx_llm.train.run import METRICS_FILE, train_run
+from mlx_llm.runs.pretrain import METRICS_FILE, train_run
 
 
 def imbalance_curve(run_dir: Path) -> list[tuple[int, float]]:

@@ -24,10 +24,10 @@ from pathlib import Path
 from experiments import common
 from mlx_llm.recipes import MAIN_JOB_MODEL, MAIN_JOB_TRAIN, MAIN_JOB_VOCAB
 from mlx_llm.runs.configs import DataSpec
-from mlx_llm.train import data as data_lib
+from mlx_llm.data import encoding as encoding_lib
 from mlx_llm.train.parallel import make_mesh
-from mlx_llm.train.corpora import read_text_and_tokenizer
-from mlx_llm.train.run import train_run
+from mlx_llm.data.corpora import read_text_and_tokenizer
+from mlx_llm.runs.pretrain import train_run
 from mlx_llm.train.step import device_batch, init_state, jit_train_step, optimizer_for, place_state
 
 
@@ -43,7 +43,7 @@ def interleaved_step_times(base, lrs, rounds: int, run_dir: Path, cache_dir=None
     (``common.time_interleaved``), so a change of load hits all alike."""
     spec = DataSpec(vocab_size=MAIN_JOB_VOCAB)
     tok, text = read_text_and_tokenizer(run_dir, spec, cache_dir)
-    corpus = data_lib.encode_corpus(text, tok, cache_dir)
+    corpus = encoding_lib.encode_corpus(text, tok, cache_dir)
     cfg = dataclasses.replace(MAIN_JOB_MODEL, vocab_size=tok.vocab_size)
     mesh = make_mesh(base.mesh)
     batch = device_batch(corpus.train_batch(0, batch_size=base.batch_size, seq_len=base.seq_len, seed=base.seed),

@@ -27,15 +27,17 @@ import numpy as np
 
 from experiments import common
 from mlx_llm.recipes import MAIN_JOB_MODEL, MAIN_JOB_TRAIN, MAIN_JOB_VOCAB, PREF_TRAIN, SFT_TRAIN
-from mlx_llm.post import loop, tasks
+from mlx_llm.post import prologue as loop
+from mlx_llm.data import tasks
 from mlx_llm.post.dpo import dpo_run
 from mlx_llm.post.reward import reward_run
 from mlx_llm.post.rl import rl_run, sampled_kl
-from mlx_llm.post.sft import REPLY_TOKENS, sft_run
+from mlx_llm.eval.replies import REPLY_TOKENS
+from mlx_llm.post.sft import sft_run
 from mlx_llm.runs.configs import DataSpec, DPOConfig, RewardConfig, RLConfig, SFTConfig
 from mlx_llm.runs.load import load_params
 from mlx_llm.train.metrics import METRICS_FILE
-from mlx_llm.train.run import train_run
+from mlx_llm.runs.pretrain import train_run
 
 LONG = 100_000  # a step count no timed run reaches: --seconds ends it
 METHODS = ("rl_checker", "rl_ppo", "rl_reward_model", "dpo", "dpo_nll")

@@ -74,14 +74,16 @@ from typing import Iterator
 import numpy as np
 
 from experiments import common
-from mlx_llm.train import data as data_lib
-from mlx_llm.train import tokenizer as tok_lib
+from mlx_llm.data import text as text_lib
+from mlx_llm.data import encoding as encoding_lib
+from mlx_llm.data import tokenizer as tok_lib
 from mlx_llm.runs.record import CONFIG_FILE, RunRecord, write_run
 from mlx_llm.config import ModelConfig, TrainConfig
 from mlx_llm.errors import ConfigError, DataError, MLXLLMError
 from mlx_llm.runs.configs import DataSpec
 from mlx_llm.scaling.accounting import steps_for_flops, train_flops_per_token
-from mlx_llm.train.run import train_loop
+from mlx_llm.runs.resume import open_resume
+from mlx_llm.train.lm import train_loop
 
 COLUMNS = ("name", "budget", "d_model", "n_layers", "n_heads", "d_ff", "N", "N_total", "D", "C", "steps",
            "batch_size", "seq_len", "lr", "warmup_steps", "loss", "val_bpb", "val_ppl", "wall_seconds",
@@ -116,7 +118,7 @@ FULL = Setting(ladder=((8, 1), (16, 1), (16, 2), (24, 2), (32, 2), (48, 2), (64,
 # bootstrap has as many replicates as the coarse grid has starts, so it reuses the fit's compiled program.
 QUICK = Setting(ladder=((16, 1), (20, 1), (24, 1), (28, 1), (36, 1)), windows=((0, 1, 2, 3, 4),) * 3,
                 base_budget=4.2e8, batch_sizes=(8, 8, 8), seq_len=32, vocab_size=320, eval_tokens=256,
-                data_path=str(data_lib.stdlib_root() / "json"), bootstrap=108, coarse_fit=True)
+                data_path=str(text_lib.stdlib_root() / "json"), bootstrap=108, coarse_fit=True)
 COARSE_GRID = {"a": [0.0, 5.0, 10.0], "b": [0.0, 5.0, 10.0], "e": [-1.0, 0.0, 1.0], "alpha": [0.5, 1.0],
                "beta": [0.5, 1.0]}
 GRID_FIELDS = ("ladder", "windows", "base_budget", "batch_sizes", "seq_len", "vocab_size", "eval_tokens", "data_path",
@@ -162,7 +164,7 @@ def grid(setting: Setting, vocab_size: int) -> list[dict]:
 # ----- corpus and runs ----------------------------------------------------------------------------------------
 def prepare_corpus(out: Path, spec: DataSpec, cache_dir, log=print):
     """Read the corpus; train the BPE once (kept as ``<out>/tokenizer.json``); encode through the token cache."""
-    text = data_lib.read_corpus(spec.path, extensions=spec.extensions, val_percent=spec.val_percent)
+    text = text_lib.read_corpus(spec.path, extensions=spec.extensions, val_percent=spec.val_percent)
     tok_file = out / tok_lib.TOKENIZER_FILE
     if tok_file.is_file():
         tok = tok_lib.load(tok_file)
@@ -171,7 +173,7 @@ def prepare_corpus(out: Path, spec: DataSpec, cache_dir, log=print):
         tok = tok_lib.train_bpe((d.text for d in text.train), spec.vocab_size)
         tok.save(out)
         log(f"BPE vocabulary of {tok.vocab_size} trained in {time.perf_counter() - t0:.1f} s")
-    corpus = data_lib.encode_corpus(text, tok, cache_dir)
+    corpus = encoding_lib.encode_corpus(text, tok, cache_dir)
     log(f"corpus: {corpus.stats.describe()}; train {corpus.train.n_tokens:,} tokens, val "
         f"{corpus.val.n_tokens:,} ({'cached' if corpus.cache_hit else f'encoded in {corpus.encode_seconds:.1f} s'})")
     return tok, corpus
@@ -220,7 +222,7 @@ def run_point(out: Path, point: dict, spec: DataSpec, tok, corpus, log=print) ->
         write_run(run_dir, cfg, tcfg, RunRecord(kind="pretrain", data=spec))
         tok.save(run_dir)
     t0 = time.perf_counter()
-    summary = train_loop(run_dir, cfg, tcfg, corpus, resume=resume, show_progress=False, log=log)["summary"]
+    summary = train_loop(run_dir, cfg, tcfg, corpus, plan=open_resume(run_dir).plan if resume else None, show_progress=False, log=log)["summary"]
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     N, D = cfg.non_embedding_param_count(), tcfg.steps * tcfg.batch_size * tcfg.seq_len
     return {"name": point["name"], "budget": f"{point['budget']:.6g}", "d_model": cfg.d_model,

@@ -20,11 +20,11 @@ import json
 from pathlib import Path
 
 from experiments import common
-from mlx_llm.post import lora as lora_lib
+from mlx_llm import lora as lora_lib
 from mlx_llm.post.sft import sft_run
 from mlx_llm.recipes import MAIN_JOB_MODEL, MAIN_JOB_TRAIN, MAIN_JOB_VOCAB, SFT_TRAIN
 from mlx_llm.runs.configs import DataSpec, SFTConfig
-from mlx_llm.train.run import train_run
+from mlx_llm.runs.pretrain import train_run
 
 
 def main() -> None:

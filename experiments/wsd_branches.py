@@ -31,7 +31,7 @@ from mlx_llm.runs.branch import Branch
 from mlx_llm.runs.configs import DataSpec
 from mlx_llm.runs.load import load_params
 from mlx_llm.runs.record import open_run
-from mlx_llm.train.run import train_run
+from mlx_llm.runs.pretrain import train_run
 
 
 def trees_equal(a, b) -> bool:

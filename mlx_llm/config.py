@@ -10,8 +10,8 @@ import dataclasses
 import math
 
 from mlx_llm.errors import ConfigError
-from mlx_llm.kernels import ATTENTION_IMPLS, MOE_IMPLS, Kernels
-from mlx_llm.settings import JsonConfig, setting, umask_mode, write_json_atomic  # noqa: F401 (re-exported)
+from mlx_llm.kernels import ATTENTION_IMPLS, MOE_IMPLS, SSM_SCANS, Kernels
+from mlx_llm.settings import JsonConfig, check_int, check_number, setting, umask_mode, write_json_atomic  # noqa: F401
 from mlx_llm.layers import layout  # the parameter layout the counts below sum (it imports no mlx_llm module)
 
 _POSITIVE_INTS = ("vocab_size", "d_model", "n_layers", "max_seq_len")
@@ -25,7 +25,6 @@ ROUTERS = ("sigmoid", "softmax")
 OBJECTIVES = ("ar", "diffusion")  # TrainConfig.objective
 MESH_AXES = ("data", "fsdp", "tensor")  # TrainConfig.mesh (train/parallel.py)
 REMAT_POLICIES = ("none", "full", "dots")  # TrainConfig.remat (model.run_stack)
-SSM_SCANS = ("fused", "associative", "chunked", "auto")  # how the Mamba recurrence runs (layers/mamba.py)
 _NEEDS = {"attn": ("n_heads", "n_kv_heads", "d_head"), "local": ("n_heads", "n_kv_heads", "d_head", "sliding_window"),
           "mamba": (), "swiglu": ("d_ff",),
           "moe": ("n_experts", "moe_top_k", "moe_d_ff"), "none": ()}
@@ -52,10 +51,8 @@ def parse_mesh(spec: str) -> dict[str, int]:
 
 
 def _require_int(cfg, name: str, *, minimum: int) -> None:
-    value = getattr(cfg, name)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-        raise ConfigError(f"{type(cfg).__name__}.{name} = {value!r} is invalid: it must be {what}")
+    check_int(f"{type(cfg).__name__}.{name}", getattr(cfg, name), minimum,
+              reason="it must be a positive integer" if minimum == 1 else None)
 
 
 def _require_float(cfg, name: str, *, positive: bool = False, low: float | None = None,
@@ -63,12 +60,11 @@ def _require_float(cfg, name: str, *, positive: bool = False, low: float | None 
     """Finite number (optionally > 0, or in [low, high]); ints are normalised to float so equal configs hash
     equally whatever the JSON spelling."""
     value = getattr(cfg, name)
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    ok = ok and (not positive or value > 0) and (low is None or value >= low) and (high is None or value <= high)
-    if not ok:
-        what = "a finite number > 0" if positive else f"a finite number in [{low}, {high}]"
-        raise ConfigError(f"{type(cfg).__name__}.{name} = {value!r} is invalid: it must be {what}")
-    object.__setattr__(cfg, name, float(value))
+    if positive:
+        value = check_number(f"{type(cfg).__name__}.{name}", value, low=0.0, positive=True)
+    else:
+        value = check_number(f"{type(cfg).__name__}.{name}", value, low=low, high=high)
+    object.__setattr__(cfg, name, value)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -363,6 +359,15 @@ OPTIMIZERS = ("adamw", "muon")  # TrainConfig.optimizer
 PARAM_COUNTS = ("non_embedding", "total", "active")  # the N a tokens-per-parameter ratio multiplies (Sizing)
 
 
+def check_seq_len(cfg: "ModelConfig", tcfg: "TrainConfig", model: str = "the model") -> None:
+    """A training window must fit the model it trains: ``seq_len`` ≤ ``max_seq_len`` (the one check of every run
+    kind; ``model`` names it in the message: "the model", "the base model")."""
+    if tcfg.seq_len > cfg.max_seq_len:
+        fix = "lower --seq-len" + (" or raise max_seq_len in the model config" if model == "the model" else "")
+        raise ConfigError(f"seq_len = {tcfg.seq_len} is longer than {model}'s max_seq_len = {cfg.max_seq_len}: "
+                          f"{fix}")
+
+
 def wsd_decay_steps(total_steps: int, decay_fraction: float) -> int:
     """D of a warmup-stable-decay schedule of ``total_steps`` (optim.warmup_stable_decay): round(F·S), at least 1."""
     return max(1, round(decay_fraction * total_steps))
@@ -495,3 +500,33 @@ class TrainConfig(JsonConfig):
         k = Kernels(attention_impl=self.attention_impl, moe_impl=self.moe_impl, loss_chunk=self.loss_chunk,
                     interpret=self.interpret_kernels)
         return k.resolve(platform) if resolve else k
+
+
+DEFAULT_LORA_TARGETS = ("wq", "wv")  # U19 §10's rule of thumb: query and value
+LORA_TARGETS = layout.lora_targets()  # the weights LoRA can adapt: each declaration's ``lora_in`` (layers/layout.py)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters (U19 §10; lora.py): rank r, scale α (the update is (α/r)·A·B) and the target keys."""
+
+    rank: int = setting(8, "train rank-R adapters beside the frozen base instead of every weight (LoRA is off "
+                        "unless --lora-rank is given)", show_default=False)
+    alpha: float = setting(16.0, "α of the adapters' update (α/r)·A·B")
+    targets: tuple[str, ...] = setting(DEFAULT_LORA_TARGETS, "comma-separated weight keys to adapt")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise ConfigError(f"LoRA rank = {self.rank!r} is invalid: it must be a positive integer")
+        if not isinstance(self.alpha, (int, float)) or not math.isfinite(self.alpha) or self.alpha <= 0:
+            raise ConfigError(f"LoRA alpha = {self.alpha!r} is invalid: it must be a positive number")
+        targets = tuple(self.targets)
+        bad = [t for t in targets if t not in LORA_TARGETS]
+        if bad or not targets or len(set(targets)) != len(targets):
+            raise ConfigError(f"LoRA targets {list(targets)!r} are invalid: choose distinct keys among "
+                              f"{list(LORA_TARGETS)}")
+        object.__setattr__(self, "targets", targets)
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank

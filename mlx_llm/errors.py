@@ -23,3 +23,8 @@ class DataError(MLXLLMError):
 
 class CheckpointError(MLXLLMError):
     """A run directory or checkpoint that cannot be read, resumed or written."""
+
+
+class ResumeMismatch(ConfigError, CheckpointError):
+    """A resume asked with settings that differ from the run's: a configuration error about a run directory (the
+    one resume rule, runs/resume.py)."""

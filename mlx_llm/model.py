@@ -33,7 +33,7 @@ from mlx_llm.config import ATTENTION_KINDS, ModelConfig
 from mlx_llm.errors import InputError
 from mlx_llm.kernels import REFERENCE, Kernels, attention_path
 from mlx_llm.layers import attention, ffn, initializers, layout, mamba, moe
-from mlx_llm.objectives.loss import token_nll
+from mlx_llm.ops import token_nll
 from mlx_llm.ops import causal_mask, dense, document_mask, rms_norm
 
 Params = dict

@@ -1,4 +1,5 @@
-"""The equations of the dense block (M20 §4–§7), as pure functions of arrays.
+"""The equations of the dense block (M20 §4–§7) and of the next-token surprise (§9–§10), as pure functions of
+arrays.
 
 Shape letters (DESIGN §3): B batch, T query positions, S key positions, D model width, H query heads,
 G key/value heads, R query heads per key/value head, K head width, F FFN width.
@@ -136,6 +137,19 @@ def softmax(x: jax.Array, axis: int = -1) -> jax.Array:
     z = x - jax.lax.stop_gradient(jnp.max(x, axis=axis, keepdims=True))
     e = jnp.exp(z)
     return e / jnp.sum(e, axis=axis, keepdims=True)
+
+
+def log_softmax(logits_BTV: jax.Array) -> jax.Array:
+    """log p = Λ − logsumexp(Λ), with the row maximum subtracted first (M20 §9); in at least float32."""
+    x = logits_BTV.astype(_accum_dtype(logits_BTV.dtype))
+    z = x - jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))
+    return z - jnp.log(jnp.sum(jnp.exp(z), axis=-1, keepdims=True))
+
+
+def token_nll(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
+    """Per-token surprise −log p(x_t | x_<t) = logsumexp(Λ_{t−1}) − Λ_{t−1, x_t} (M20 §10), in nats."""
+    logp_BTV = log_softmax(logits_BTV)
+    return -jnp.take_along_axis(logp_BTV, targets_BT[..., None].astype(jnp.int32), axis=-1)[..., 0]
 
 
 def dense(x, w, preferred_element_type=None) -> jax.Array:

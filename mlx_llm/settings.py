@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
 import os
 from pathlib import Path
 from typing import Any
@@ -61,6 +63,36 @@ class JsonConfig:
     def to_json(self, path: str | os.PathLike) -> None:
         """Write the JSON file atomically (a crash never leaves half a file)."""
         write_json_atomic(path, self.to_dict())
+
+
+def check_int(name: str, value, minimum: int, *, optional: bool = False, maximum: int | None = None,
+              reason: str | None = None) -> int | None:
+    """The one integer check of the configs: ``value`` an integer (not a bool) in [minimum, maximum] (or None when
+    ``optional``), else a ``ConfigError`` naming ``name``, the value and what is valid (``reason``: the words
+    after "is invalid:", when the bound has a reason of its own)."""
+    if value is None and optional:
+        return None
+    ok = isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= minimum
+    if not ok or (maximum is not None and value > maximum):
+        what = reason or (f"it must be an integer >= {minimum}" + (f" and <= {maximum}" if maximum is not None else "")
+                          + (" (or unset)" if optional else ""))
+        raise ConfigError(f"{name} = {value!r} is invalid: {what}")
+    return int(value)
+
+
+def check_number(name: str, value, *, low: float, positive: bool = False, high: float | None = None,
+                 high_open: bool = False) -> float:
+    """The one real-number check of the configs: ``value`` a finite number (not a bool) ≥ ``low`` (> ``low`` when
+    ``positive``) and, given ``high``, ≤ ``high`` (< when ``high_open``), else a ``ConfigError`` naming ``name``,
+    the value and what is valid. Returns it as a float."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    if not (ok and (value > low if positive else value >= low)):
+        raise ConfigError(f"{name} = {value!r} is invalid: it must be a finite number {'>' if positive else '>='} "
+                          f"{low:g}")
+    if high is not None and not (value < high if high_open else value <= high):
+        raise ConfigError(f"{name} = {value!r} is invalid: it must be in {'(' if positive else '['}{low:g}, {high:g}"
+                          f"{')' if high_open else ']'}")
+    return float(value)
 
 
 def umask_mode() -> int:

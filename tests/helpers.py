@@ -40,7 +40,7 @@ def spec_for(corpus_dir):
 
 def finished_tiny_run(out, corpus_dir):
     """A finished 6-step tiny run in ``out`` (checkpoints 3 and 6), quietly; returns ``out``."""
-    from mlx_llm.train.run import train_run
+    from mlx_llm.runs.pretrain import train_run
 
     train_run(out, TINY, tiny_train(), spec_for(corpus_dir), show_progress=False, cache_dir=out.parent / "cache",
               sample_tokens=8, log=lambda *a: None)

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from mlx_llm import ModelConfig, examples, init_params
-from mlx_llm.scaling.accounting import (
-    KVShape, approx_params, bytes_per_scalar, gpt2_block_params, gpt2_params, kv_cache_bytes, kv_cache_scalars,
-    kv_rows, lora_minillm_params, lora_model_params, lora_params, matmul_params, minillm_params, moe_ffn_params,
-    moe_params, train_flops_per_token, training_flops, tree_size)
+from mlx_llm.scaling.accounting import (KVShape, approx_params, bytes_per_scalar, gpt2_block_params, gpt2_params,
+                                        kv_cache_bytes, kv_cache_scalars, kv_rows, lora_minillm_params,
+                                        lora_model_params, lora_params, matmul_params, minillm_params, moe_ffn_params,
+                                        moe_params, train_flops_per_token, training_flops, tree_size)
 from mlx_llm.errors import ConfigError, InputError
 
 MIB, GIB = 2**20, 2**30

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mlx_llm import ModelConfig, examples, forward, init_params
-from mlx_llm.decode.state import KVCache, forward_cached, init_cache, kv_cache_bytes, unstack_layers
+from mlx_llm.decode.state import DecodeState, forward_cached, init_cache, kv_cache_bytes, unstack_layers
 from mlx_llm.errors import InputError
 
 cached = jax.jit(forward_cached, static_argnames="cfg")
@@ -170,4 +170,4 @@ def test_cache_is_a_pytree():
     cache = init_cache(CONFIGS[0], 2, 5)
     leaves = jax.tree.leaves(cache)
     assert [x.shape for x in leaves] == [(2, 2, 5, 2, 4), (2, 2, 5, 2, 4), (2,)]
-    assert isinstance(jax.tree.map(lambda x: x, cache), KVCache) and cache.max_len == 5
+    assert isinstance(jax.tree.map(lambda x: x, cache), DecodeState) and cache.max_len == 5

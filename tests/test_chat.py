@@ -1,4 +1,4 @@
-"""The chat template and the SFT loss mask (mlx_llm.post.chat; M20 §16, U19 §9)."""
+"""The chat template and the SFT loss mask (mlx_llm.data.chat; M20 §16, U19 §9)."""
 
 import json
 import math
@@ -11,9 +11,9 @@ import pytest
 from mlx_llm import forward, init_params
 from mlx_llm.errors import DataError, InputError
 from mlx_llm.objectives.loss import masked_cross_entropy
-from mlx_llm.post.chat import ChatTemplate, check_messages, read_conversations, training_arrays
-from mlx_llm.post.sft import chat_session
-from mlx_llm.train.tokenizer import ByteTokenizer
+from mlx_llm.data.chat import ChatTemplate, check_messages, read_conversations, training_arrays
+from mlx_llm.eval.replies import chat_session
+from mlx_llm.data.tokenizer import ByteTokenizer
 from helpers import tiny_cfg
 
 TOK = ByteTokenizer()

@@ -1,5 +1,5 @@
-"""Jinja chat templates (mlx_llm.post.templates): the sandbox, what templates see, how replies are located for the
-loss mask, and the refusals at import (mlx_llm.interop.hf_tokenizer) — no transformers needed."""
+"""Jinja chat templates (mlx_llm.data.templates): the sandbox, what templates see, how replies are located for the
+loss mask, and the refusals at import (mlx_llm.data.hf_tokenizer) — no transformers needed."""
 
 import json
 
@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from mlx_llm.errors import DataError, InputError
-from mlx_llm.interop import hf_tokenizer
-from mlx_llm.post.chat import ChatTemplate, read_conversations
-from mlx_llm.post.templates import PLACEHOLDER, JinjaTemplate, locate_contents, template_for
-from mlx_llm.train.tokenizer import ByteTokenizer
+from mlx_llm.data import hf_tokenizer
+from mlx_llm.data.chat import ChatTemplate, read_conversations
+from mlx_llm.data.templates import PLACEHOLDER, JinjaTemplate, locate_contents, template_for
+from mlx_llm.data.tokenizer import ByteTokenizer
 
 pytest.importorskip("jinja2")
 

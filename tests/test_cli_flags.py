@@ -73,7 +73,7 @@ def test_mlx_llm_help_imports_no_jax():
 
 def test_files_honour_the_umask(tmp_path):
     from mlx_llm.config import write_json_atomic
-    from mlx_llm.train.tokenizer import ByteTokenizer
+    from mlx_llm.data.tokenizer import ByteTokenizer
 
     old = os.umask(0o027)
     try:

@@ -19,7 +19,7 @@ from mlx_llm import ModelConfig, init_params  # noqa: E402
 from mlx_llm.decode import diffusion as sampler  # noqa: E402
 from mlx_llm.errors import ConfigError, InputError  # noqa: E402
 from mlx_llm.objectives import diffusion  # noqa: E402
-from mlx_llm.train.tokenizer import DIFFUSION_SPECIAL_TOKENS, ByteTokenizer  # noqa: E402
+from mlx_llm.data.tokenizer import DIFFUSION_SPECIAL_TOKENS, ByteTokenizer  # noqa: E402
 
 MASK = 3
 CFG = ModelConfig(vocab_size=4, d_model=8, n_layers=2, n_heads=2, n_kv_heads=1, d_head=4, d_ff=8, max_seq_len=8,

@@ -17,7 +17,8 @@ import pytest
 from orbax.checkpoint._src.handlers import base_pytree_checkpoint_handler as orbax_pytree
 
 from mlx_llm.train import checkpoint as ckpt_lib
-from mlx_llm.train.checkpoint import LOCK_FILE, MANIFEST_FILE, Checkpoints
+from mlx_llm.runs.rundir import LOCK_FILE
+from mlx_llm.train.checkpoint import MANIFEST_FILE, Checkpoints
 from helpers import TINY, cli_in_process, snapshot
 
 REPO = Path(__file__).resolve().parents[1]

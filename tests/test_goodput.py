@@ -18,7 +18,7 @@ from mlx_llm.errors import ConfigError
 from mlx_llm.runs.configs import RunOptions
 from mlx_llm.runs.load import load_params
 from mlx_llm.train.checkpoint import MANIFEST_FILE, Checkpoints, abstract_like
-from mlx_llm.train.data import default_cache_dir
+from mlx_llm.data.encoding import default_cache_dir
 from mlx_llm.train.loop import Cadence
 from helpers import assert_trees_equal, cli_in_process, finished_tiny_run, snapshot, tiny_train
 

@@ -20,7 +20,7 @@ import pytest
 from mlx_llm import ModelConfig, forward, generate, init_params
 from mlx_llm.errors import CheckpointError, ConfigError
 from mlx_llm.interop import export_model, export_run, import_hf, load_hf
-from mlx_llm.train import tokenizer as tok_lib
+from mlx_llm.data import tokenizer as tok_lib
 from helpers import cli_in_process
 from test_hf_interop import CORPUS, LOGIT_TOL, _retensor, assert_same_params, hf_logits  # noqa: F401
 

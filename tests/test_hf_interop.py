@@ -21,9 +21,9 @@ from mlx_llm.config import TrainConfig, umask_mode
 from mlx_llm.errors import CheckpointError, ConfigError, DataError
 from mlx_llm.interop import export_model, export_run, import_hf, load_hf
 from mlx_llm.layers import moe
-from mlx_llm.post import lora as lora_lib
-from mlx_llm.post.chat import ChatTemplate
-from mlx_llm.train import tokenizer as tok_lib
+from mlx_llm import lora as lora_lib
+from mlx_llm.data.chat import ChatTemplate
+from mlx_llm.data import tokenizer as tok_lib
 from mlx_llm.runs.configs import SFTConfig
 from mlx_llm.runs.load import load_params
 from mlx_llm.runs.record import BaseRef, RunRecord, open_run, write_run

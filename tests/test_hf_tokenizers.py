@@ -1,5 +1,5 @@
-"""Real checkpoints' tokenizers and chat templates, against transformers (mlx_llm.interop.hf_tokenizer,
-mlx_llm.post.templates): a Llama-3-like and a Qwen-like tokenizer built offline with the ``tokenizers`` library and
+"""Real checkpoints' tokenizers and chat templates, against transformers (mlx_llm.data.hf_tokenizer,
+mlx_llm.data.templates): a Llama-3-like and a Qwen-like tokenizer built offline with the ``tokenizers`` library and
 Jinja templates written here; ids, roles, renderings and loss masks as transformers sees them; our own template
 exported so that ``apply_chat_template`` renders what ``ChatTemplate.render`` does."""
 
@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from mlx_llm.errors import DataError
-from mlx_llm.interop import hf_tokenizer
-from mlx_llm.post.chat import ChatTemplate, read_conversations
+from mlx_llm.data import hf_tokenizer
+from mlx_llm.data.chat import ChatTemplate, read_conversations
 from mlx_llm.post.pairs import PairData
 from mlx_llm.post.sft import load_data
-from mlx_llm.post.templates import JinjaTemplate, template_for
-from mlx_llm.train import tokenizer as tok_lib
+from mlx_llm.data.templates import JinjaTemplate, template_for
+from mlx_llm.data import tokenizer as tok_lib
 
 transformers = pytest.importorskip("transformers")
 
@@ -309,18 +309,18 @@ def test_the_text_pipeline_packs_documents_without_bos_and_with_pad_equal_to_eos
     """Qwen-like: no BOS, and PAD may be the EOS id. Documents are ``doc EOS``; a segment starts after each EOS;
     the target read from an EOS (the next document's first token) is dropped; padding is known by position, not
     by id, so an EOS equal to PAD stays a target."""
-    from mlx_llm.train import data
-    from mlx_llm.train.text import Document
+    from mlx_llm.data import encoding, packing
+    from mlx_llm.data.text import Document
 
     qwen = pair["qwen"][0]
-    split = data.encode_stream([Document("a", "x = 1"), Document("b", "y")], qwen)
+    split = encoding.encode_stream([Document("a", "x = 1"), Document("b", "y")], qwen)
     a, b = qwen.encode("x = 1").tolist(), qwen.encode("y").tolist()
     eos = qwen.eos_id
     assert split.tokens.tolist() == a + [eos] + b + [eos] and split.doc_starts.tolist() == [0, len(a) + 1]
     w = np.array([a + [eos] + b + [eos] + [eos, eos]])  # two trailing padding slots that hold the EOS id
     valid = np.ones(w.shape, bool)
     valid[0, -2:] = False
-    out = data.pack_windows(w, None, eos, eos_id=eos, valid_BT1=valid)
+    out = packing.pack_windows(w, None, eos, eos_id=eos, valid_BT1=valid)
     n_a = len(a)
     want_mask = [1.0] * n_a + [0.0] + [1.0] * len(b) + [0.0, 0.0]
     assert out["mask"][0].tolist() == want_mask[: w.shape[1] - 1]

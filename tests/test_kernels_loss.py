@@ -16,7 +16,7 @@ from mlx_llm import ModelConfig, init_params
 from mlx_llm.errors import InputError
 from mlx_llm.kernels.loss import choose_chunk, chunked_token_nll
 from mlx_llm.model import hidden_states, logits_from_hidden, unembed_matrix
-from mlx_llm.objectives.loss import token_nll
+from mlx_llm.ops import token_nll
 from mlx_llm.ops import dense, rms_norm
 
 B, T, D, V = 2, 5, 6, 11  # B·T = 10 rows
@@ -183,7 +183,7 @@ SHARDED = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     from mlx_llm.kernels.loss import chunked_token_nll
-    from mlx_llm.objectives.loss import token_nll
+    from mlx_llm.ops import token_nll
 
     mesh = Mesh(np.array(jax.devices()), ("data",))
     rng = np.random.default_rng(0)

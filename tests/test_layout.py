@@ -12,7 +12,7 @@ import pytest
 from mlx_llm import ModelConfig, init_params
 from mlx_llm.layers import attention, ffn, layout, mamba, moe
 from mlx_llm.model import _DRAWS
-from mlx_llm.post import lora
+from mlx_llm import lora
 from mlx_llm.scaling.accounting import lora_minillm_params, mamba_matmul_params, matmul_params, tree_size
 from mlx_llm.train import optim, parallel
 

@@ -1,4 +1,4 @@
-"""The lm-evaluation-harness model class (mlx_llm/runs/harness.py) over a tiny run, offline: the tasks are YAMLs over
+"""The lm-evaluation-harness model class (mlx_llm/eval/harness.py) over a tiny run, offline: the tasks are YAMLs over
 JSONL files this test writes, and every number the harness reports is recomputed here from our own forward and
 ``sequence_log_likelihood`` (or ``generate``). Needs the ``eval`` extra (lm_eval)."""
 
@@ -21,13 +21,13 @@ from mlx_llm.objectives.loss import sequence_log_likelihood
 from mlx_llm.runs.configs import RewardConfig
 from mlx_llm.runs.load import load_params
 from mlx_llm.runs.record import BaseRef, open_run
-from mlx_llm.train import tokenizer as tok_lib
+from mlx_llm.data import tokenizer as tok_lib
 
 lm_eval = pytest.importorskip("lm_eval")  # the eval extra; harness.py itself refuses to import without it
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
-from mlx_llm.runs import harness  # noqa: E402
+from mlx_llm.eval import harness  # noqa: E402
 
 MC = [{"question": f"x = {a} +", "choices": [str(b), str(b + 7), "x", str(a + 1)], "label": 3 * k % 4}
       for k, (a, b) in enumerate([(12, 34), (5, 61), (80, 2), (33, 33), (7, 90), (41, 18), (66, 5), (9, 9)])]
@@ -326,9 +326,9 @@ def test_python_m_harness_runs_lm_evals_own_command_line(base_run, tasks_dir, ca
 
 def test_lm_eval_missing_is_one_line_naming_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "lm_eval", None)
-    monkeypatch.delitem(sys.modules, "mlx_llm.runs.harness")
+    monkeypatch.delitem(sys.modules, "mlx_llm.eval.harness")
     with pytest.raises(ConfigError, match=r"lm_eval is not installed: pip install 'mlx_llm\[eval\]'"):
-        importlib.import_module("mlx_llm.runs.harness")
+        importlib.import_module("mlx_llm.eval.harness")
 
 
 def test_harness_flags_without_lm_eval_are_refused(base_run):

@@ -1,4 +1,4 @@
-"""LoRA adapters (mlx_llm.post.lora; U19 §10): counts, rank, exact start, merge, and a frozen base."""
+"""LoRA adapters (mlx_llm.lora; U19 §10): counts, rank, exact start, merge, and a frozen base."""
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +10,7 @@ from mlx_llm import init_params
 from mlx_llm import forward as _forward
 from mlx_llm.errors import ConfigError
 from mlx_llm.objectives.loss import masked_cross_entropy
-from mlx_llm.post import lora
+from mlx_llm import lora
 from mlx_llm.scaling.accounting import lora_minillm_params, lora_params
 from helpers import tiny_cfg
 

@@ -13,8 +13,8 @@ import pytest
 from mlx_llm.errors import ConfigError
 from mlx_llm.runs.configs import DataSpec
 from mlx_llm.runs.load import load_params
-from mlx_llm.train.corpora import open_data
-from mlx_llm.train.mixture import data_flag, parse_source, parse_sources, read_mixture_file
+from mlx_llm.data.corpora import open_data
+from mlx_llm.data.mixture import data_flag, parse_source, parse_sources, read_mixture_file
 from mlx_llm.train.trackers import TB_DIR
 from helpers import assert_trees_equal, cli_in_process, snapshot
 

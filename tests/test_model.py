@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from mlx_llm import ModelConfig, examples, forward, init_params
 from mlx_llm.errors import InputError
-from mlx_llm.objectives.loss import masked_cross_entropy, token_nll
+from mlx_llm.objectives.loss import masked_cross_entropy
+from mlx_llm.ops import token_nll
 from mlx_llm.layers.attention import attention_output, attention_qkv
 from mlx_llm.model import hidden_states
 from mlx_llm.ops import attention, causal_mask, rms_norm, swiglu

@@ -17,7 +17,7 @@ from helpers import tiny_cfg
 from mlx_llm.config import TrainConfig
 from mlx_llm.errors import ConfigError
 from mlx_llm.model import init_params
-from mlx_llm.post import lora as lora_lib
+from mlx_llm import lora as lora_lib
 from mlx_llm.train.muon import make_muon, muon_dimension_numbers
 from mlx_llm.train.optim import make_optimizer
 

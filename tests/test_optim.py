@@ -13,7 +13,8 @@ from jax.flatten_util import ravel_pytree
 from mlx_llm import examples, forward, init_params
 from mlx_llm.errors import ConfigError
 from mlx_llm.objectives.loss import masked_cross_entropy
-from mlx_llm.train.optim import decay_mask, make_optimizer, warmup_cosine
+from mlx_llm.train.masks import decay_mask
+from mlx_llm.train.optim import make_optimizer, warmup_cosine
 
 from helpers import tiny_cfg
 

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from mlx_llm.config import TrainConfig
-from mlx_llm.post import loop
+from mlx_llm.post import prologue as loop
 from mlx_llm.post import pairs as pairs_lib
 from mlx_llm.post.sft import load_data
-from mlx_llm.post.chat import ChatTemplate
+from mlx_llm.data.chat import ChatTemplate
 
 REPO = Path(__file__).resolve().parents[1]
 KINDS = {"reward": ["--task", "arithmetic", "--train-examples", "64", "--batch-size", "4"],

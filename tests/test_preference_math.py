@@ -10,10 +10,10 @@ import pytest
 
 from mlx_llm import forward, init_params
 from mlx_llm.errors import ConfigError, DataError
-from mlx_llm.objectives.loss import log_softmax
+from mlx_llm.ops import log_softmax
 from mlx_llm.post import dpo, pairs, reward, rl
-from mlx_llm.post.chat import ChatTemplate
-from mlx_llm.train.tokenizer import ByteTokenizer
+from mlx_llm.data.chat import ChatTemplate
+from mlx_llm.data.tokenizer import ByteTokenizer
 from helpers import tiny_cfg
 
 CFG = tiny_cfg(vocab_size=263, n_heads=2, n_kv_heads=1, d_head=8, max_seq_len=48)

@@ -12,7 +12,7 @@ from mlx_llm import cli
 from mlx_llm.config import TrainConfig
 from mlx_llm.errors import CheckpointError, ConfigError, DataError
 from mlx_llm.post.dpo import dpo_run
-from mlx_llm.post.lora import LoRAConfig
+from mlx_llm.config import LoRAConfig
 from mlx_llm.post.reward import load_reward_model, reward_run
 from mlx_llm.post.rl import rl_run
 from mlx_llm.runs.configs import DPOConfig, RewardConfig, RLConfig

@@ -131,12 +131,11 @@ def test_unknown_target_lists_the_valid_ones(capsys):
 
 
 def test_post_training_update_is_refused_when_it_cannot_fit(monkeypatch):
-    """reward / DPO / RL compile their update before the run directory exists (post/loop.compiled_update); one
+    """reward / DPO / RL compile their update before the run directory exists (train/preflight.compiled_update); one
     that needs more than a device holds is refused in one line (here: a device of 1 KiB)."""
     import jax.numpy as jnp
 
     from mlx_llm.errors import ConfigError
-    from mlx_llm.post import loop
     from mlx_llm.train import preflight
 
     def loss_fn(trainable, frozen, batch, key):  # train.step.make_update's objective form: sums and a count
@@ -147,10 +146,10 @@ def test_post_training_update_is_refused_when_it_cannot_fit(monkeypatch):
     trainable, frozen = {"w_up": jnp.ones((64, 8), jnp.float32)}, {"y": jnp.zeros((16, 8), jnp.float32)}
     batch = {"x": jnp.ones((16, 64), jnp.float32)}
     tcfg = TrainConfig(steps=2, warmup_steps=1)
-    step = loop.compiled_update(TINY, tcfg, loss_fn, trainable, frozen, batch)
+    step = preflight.compiled_update(TINY, tcfg, loss_fn, trainable, frozen, batch)
     assert step.memory_analysis().argument_size_in_bytes > 0
     small = preflight.Target("local", tuple(jax.devices()), "cpu", 1024)
     monkeypatch.setattr(preflight, "local_target", lambda: small)
     with pytest.raises(ConfigError, match=r"the update step does not fit: it needs .* GiB per device, .* more than "
                                           r"the 0.00 GiB here; try LoRA \(--lora-rank\) or a smaller --batch-size"):
-        loop.compiled_update(TINY, tcfg, loss_fn, trainable, frozen, batch)
+        preflight.compiled_update(TINY, tcfg, loss_fn, trainable, frozen, batch)

@@ -16,8 +16,9 @@ import pytest
 from mlx_llm.errors import CheckpointError, ConfigError
 from mlx_llm.runs.load import load_params
 from mlx_llm.runs.record import open_run
-from mlx_llm.train.checkpoint import LOCK_FILE, MANIFEST_FILE, Checkpoints, check_run_dir, locked_run_dir, run_lock
-from mlx_llm.train.run import train_run
+from mlx_llm.runs.rundir import LOCK_FILE, check_run_dir, locked_run_dir, run_lock
+from mlx_llm.train.checkpoint import MANIFEST_FILE, Checkpoints
+from mlx_llm.runs.pretrain import train_run
 from helpers import TINY, finished_tiny_run, assert_trees_equal, cli_in_process, snapshot, spec_for, tiny_train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -61,7 +62,7 @@ def cli_refused(root, *args):
 # ----- the run lock ----------------------------------------------------------------------------------------------
 HOLDER = textwrap.dedent("""
     import contextlib, sys, time
-    from mlx_llm.train.checkpoint import run_lock
+    from mlx_llm.runs.rundir import run_lock
     with contextlib.ExitStack() as stack:
         for d in sys.argv[1:]:
             stack.enter_context(run_lock(d))

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from mlx_llm.errors import CheckpointError, ConfigError
-from mlx_llm.post.lora import LoRAConfig
+from mlx_llm.config import LoRAConfig
 from mlx_llm.post.reward import load_reward_model
 from mlx_llm.runs.configs import DataSpec, DPOConfig, RewardConfig, RLConfig, SFTConfig
 from mlx_llm.runs.load import load_params, merge_run

@@ -11,8 +11,8 @@ import scipy.stats
 
 from mlx_llm import examples, forward
 from mlx_llm.errors import ConfigError
-from mlx_llm.decode.sampling import (DecodeSettings, apply_temperature, beam_rank, beam_step, choose, decoding_logprobs,
-                              draw, greedy, renormalise, top_k_mask, top_p_mask)
+from mlx_llm.decode.sampling import (DecodeSettings, apply_temperature, beam_rank, beam_step, choose,
+                                     decoding_logprobs, draw, greedy, renormalise, top_k_mask, top_p_mask)
 
 HOT = [0.40, 0.25, 0.15, 0.10, 0.06, 0.04]  # U19 §5 "Every morning I drink hot …"
 COLOURS = [0.20, 0.18, 0.17, 0.16, 0.15, 0.14]  # "My favourite colour is …"

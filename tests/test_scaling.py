@@ -12,9 +12,9 @@ import scipy.optimize
 
 from mlx_llm.scaling.accounting import training_flops
 from mlx_llm.errors import DataError, InputError
-from mlx_llm.scaling.laws import (
-    CHINCHILLA, ChinchillaParams, chinchilla_loss, chinchilla_objective, compute_optimal, fit_chinchilla,
-    fixed_ratio_split, huber, isoflop_fit, load_chinchilla_runs, loss_at_budget, optimal_exponents)
+from mlx_llm.scaling.laws import (CHINCHILLA, ChinchillaParams, chinchilla_loss, chinchilla_objective,
+                                  compute_optimal, fit_chinchilla, fixed_ratio_split, huber, isoflop_fit,
+                                  load_chinchilla_runs, loss_at_budget, optimal_exponents)
 
 RUNS_CSV = Path(__file__).parents[2] / "shared" / "data" / "chinchilla_svg_extracted_data.csv"
 # The nine IsoFLOP budgets of Hoffmann et al. (2022), Figure 3.

@@ -188,7 +188,7 @@ def test_the_step_reports_the_z_loss_inside_the_loss():
 @pytest.mark.parametrize("steps", [1, 2, 3, 10, 37, 700])
 def test_a_sized_wsd_run_keeps_room_for_its_decay(steps):
     """``--time-budget`` / ``--target-flops`` cap the warmup; under wsd also to leave the decay its steps."""
-    from mlx_llm.train.run import with_steps
+    from mlx_llm.train.lm import with_steps
 
     sized = with_steps(TrainConfig(steps=700, warmup_steps=30, schedule="wsd"), steps)
     assert sized.steps == steps and sized.warmup_steps + sized.decay_steps <= steps

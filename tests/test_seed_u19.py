@@ -22,11 +22,13 @@ from mlx_llm import forward, generate, init_params
 from mlx_llm.decode.sampling import DecodeSettings, choose, decoding_logprobs, greedy
 from mlx_llm.decode.state import init_cache
 from mlx_llm.layers.attention import attention_qkv
-from mlx_llm.objectives.loss import (bits_per_token, log_softmax, masked_cross_entropy, perplexity,
-                                     sequence_log_likelihood, token_nll)
+from mlx_llm.objectives.loss import bits_per_token, masked_cross_entropy, perplexity, sequence_log_likelihood
+from mlx_llm.ops import log_softmax, token_nll
 from mlx_llm.ops import rope, rope_frequencies, softmax
-from mlx_llm.post import dpo, lora, reward, rl
-from mlx_llm.scaling.accounting import KVShape, gpt2_block_params, gpt2_params, kv_cache_bytes, kv_rows, moe_ffn_params
+from mlx_llm.post import dpo, reward, rl
+from mlx_llm import lora
+from mlx_llm.scaling.accounting import (KVShape, gpt2_block_params, gpt2_params, kv_cache_bytes, kv_rows,
+                                        moe_ffn_params)
 from mlx_llm.scaling.laws import chinchilla_loss
 from helpers import tiny_cfg
 

@@ -12,13 +12,14 @@ import pytest
 from mlx_llm import forward
 from mlx_llm.config import TrainConfig
 from mlx_llm.errors import ConfigError, DataError
-from mlx_llm.post.chat import ChatTemplate
-from mlx_llm.post.lora import LoRAConfig
-from mlx_llm.post.sft import eval_task, pack, sft_run
+from mlx_llm.data.chat import ChatTemplate
+from mlx_llm.config import LoRAConfig
+from mlx_llm.eval.replies import eval_task
+from mlx_llm.post.sft import pack, sft_run
 from mlx_llm.runs.configs import SFTConfig
 from mlx_llm.runs.load import load_params, merge_run
 from mlx_llm.runs.record import open_run
-from mlx_llm.train.tokenizer import ByteTokenizer
+from mlx_llm.data.tokenizer import ByteTokenizer
 from tiny_runs import BASE_CFG, SFT
 
 

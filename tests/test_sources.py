@@ -12,9 +12,10 @@ import pytest
 
 from helpers import cli_in_process, snapshot
 from mlx_llm.errors import DataError
-from mlx_llm.train import data as D
-from mlx_llm.train import sources as S
-from mlx_llm.train import tokenizer as T
+from mlx_llm.data import text as text_lib
+from mlx_llm.data import encoding as encoding_lib
+from mlx_llm.data import sources as S
+from mlx_llm.data import tokenizer as T
 
 BYTE = T.ByteTokenizer()
 WORDS = ["alpha", "beta", "gamma", "delta", "naïve", "café", "日本", "x = 1", "\n", "    ", "def", "return"]
@@ -63,7 +64,7 @@ def write_source(root, fmt: str, bodies: list[str], field: str = "body"):
 
 def expected_split(docs: dict, fixed_val: set, val_percent: float) -> tuple[list[str], list[str]]:
     """(train names, val names) in corpus order: the saved DatasetDict's own split, else the name hash."""
-    is_val = (lambda n: n in fixed_val) if fixed_val else (lambda n: D.val_score(n) < val_percent)
+    is_val = (lambda n: n in fixed_val) if fixed_val else (lambda n: text_lib.val_score(n) < val_percent)
     return [n for n in docs if not is_val(n)], [n for n in docs if is_val(n)]
 
 
@@ -77,7 +78,7 @@ def test_each_format_encodes_exactly_its_records(tmp_path, fmt, monkeypatch):
     monkeypatch.setattr(S, "BATCH_ROWS", 5)  # several record batches
     bodies = texts(40)
     path, docs, fixed_val = write_source(tmp_path, fmt, bodies)
-    text = D.read_corpus(path, text_field="body", val_percent=20)
+    text = text_lib.read_corpus(path, text_field="body", val_percent=20)
     train_names, val_names = expected_split(docs, fixed_val, 20)
     assert train_names and val_names
     assert [d.name for d in text.train] == train_names and [d.name for d in text.val] == val_names
@@ -88,12 +89,12 @@ def test_each_format_encodes_exactly_its_records(tmp_path, fmt, monkeypatch):
         assert (text.stats.n_records, text.stats.empty_records) == (41, 1)
     bpe = T.train_bpe((d.text for d in text.train), 300)
     for tok in (BYTE, bpe):
-        corpus = D.encode_corpus(text, tok, tmp_path / "cache", workers=1)
+        corpus = encoding_lib.encode_corpus(text, tok, tmp_path / "cache", workers=1)
         for split, want in (("train", train), ("val", val)):
             got = getattr(corpus, split)
             assert stream_text(tok, got.tokens) == "".join(f"<|bos|>{t}<|eos|>" for t in want)
             assert len(got.doc_starts) == len(want) and got.tokens[got.doc_starts].tolist() == [tok.bos_id] * len(want)
-    assert D.read_corpus(path, text_field="body", val_percent=20).fingerprint() == text.fingerprint()
+    assert text_lib.read_corpus(path, text_field="body", val_percent=20).fingerprint() == text.fingerprint()
 
 
 def test_directory_and_glob_of_record_files(tmp_path):
@@ -103,11 +104,11 @@ def test_directory_and_glob_of_record_files(tmp_path):
     a, docs_a, _ = write_source(root, "jsonl", texts(10, 1))
     (root / "sub").mkdir()
     b, docs_b, _ = write_source(root / "sub", "parquet", texts(10, 2))
-    text = D.read_corpus(root, text_field="body", val_percent=20)
+    text = text_lib.read_corpus(root, text_field="body", val_percent=20)
     names = {d.name for d in text.train + text.val}
     want = {f"part.jsonl:{n.split(':')[1]}" for n in docs_a} | {f"sub/{n}" for n in docs_b} | {"notes.txt"}
     assert names == want and len(text.train) + len(text.val) == 21
-    globbed = D.read_corpus(str(root / "**" / "*.parquet"), text_field="body", val_percent=20)
+    globbed = text_lib.read_corpus(str(root / "**" / "*.parquet"), text_field="body", val_percent=20)
     assert {d.name.rsplit(":", 1)[0] for d in globbed.train + globbed.val} == {b.as_posix()}
 
 
@@ -115,29 +116,29 @@ def test_text_files_keep_their_documents_and_key(tmp_path):
     """A text-file corpus is read lazily, with the fingerprint of its documents held in memory."""
     for k in range(12):
         (tmp_path / f"m{k:02d}.py").write_text(f"x_{k} = {k}\n" * (k + 1))
-    text = D.read_corpus(tmp_path, val_percent=20)
-    assert isinstance(text.train, D.Documents) and len(text.train) + len(text.val) == 12
-    in_memory = D.TextCorpus(list(text.train), list(text.val), text.stats)
+    text = text_lib.read_corpus(tmp_path, val_percent=20)
+    assert isinstance(text.train, text_lib.Documents) and len(text.train) + len(text.val) == 12
+    in_memory = text_lib.TextCorpus(list(text.train), list(text.val), text.stats)
     assert in_memory.fingerprint() == text.fingerprint()
-    assert D.cache_key(in_memory, BYTE) == D.cache_key(text, BYTE)
-    files, where = D.find_files(tmp_path)
-    train, val = D.split_documents(D.read_documents(files, where)[0], 20)
+    assert encoding_lib.cache_key(in_memory, BYTE) == encoding_lib.cache_key(text, BYTE)
+    files, where = text_lib.find_files(tmp_path)
+    train, val = text_lib.split_documents(text_lib.read_documents(files, where)[0], 20)
     assert [d.name for d in train] == [d.name for d in text.train] and text.val[0] == val[0]
 
 
 # ----- streaming, workers, BPE -----------------------------------------------------------------------------
 def test_workers_give_the_same_tokens(tmp_path):
     path, _, _ = write_source(tmp_path, "jsonl", texts(300, 3))
-    text = D.read_corpus(path, text_field="body", val_percent=10)
+    text = text_lib.read_corpus(path, text_field="body", val_percent=10)
     bpe = T.train_bpe((d.text for d in text.train), 300)
     for tok in (BYTE, bpe):
-        one = D.encode_corpus(text, tok, tmp_path / "one", workers=1, chunk_bytes=2048)
-        two = D.encode_corpus(text, tok, tmp_path / "two", workers=2, chunk_bytes=2048)
+        one = encoding_lib.encode_corpus(text, tok, tmp_path / "one", workers=1, chunk_bytes=2048)
+        two = encoding_lib.encode_corpus(text, tok, tmp_path / "two", workers=2, chunk_bytes=2048)
         assert not two.cache_hit and one.cache_path.name == two.cache_path.name
         for split in ("train", "val"):
             a, b = getattr(one, split), getattr(two, split)
             assert np.array_equal(a.tokens, b.tokens) and np.array_equal(a.doc_starts, b.doc_starts)
-            ref = D.encode_stream(list(getattr(text, split)), tok)
+            ref = encoding_lib.encode_stream(list(getattr(text, split)), tok)
             assert np.array_equal(a.tokens, ref.tokens) and np.array_equal(a.doc_starts, ref.doc_starts)
     assert sorted(p.name for p in (tmp_path / "two").iterdir() if ".tmp-" in p.name) == []
 
@@ -165,7 +166,7 @@ def test_encoding_memory_does_not_grow_with_the_corpus(tmp_path):
     for mb in (2, 20):
         path = tmp_path / f"c{mb}.jsonl"
         big_jsonl(path, mb << 20)
-        peaks[mb] = _peak(lambda: D.encode_corpus(D.read_corpus(path, val_percent=5), BYTE, tmp_path / "cache",
+        peaks[mb] = _peak(lambda: encoding_lib.encode_corpus(text_lib.read_corpus(path, val_percent=5), BYTE, tmp_path / "cache",
                                                   workers=1, chunk_bytes=64 << 10))
     assert peaks[20] < 4 << 20 and peaks[20] < 1.5 * peaks[2] + (1 << 20), peaks
 
@@ -173,7 +174,7 @@ def test_encoding_memory_does_not_grow_with_the_corpus(tmp_path):
 def test_bpe_training_reads_the_train_split_lazily(tmp_path):
     path = tmp_path / "c.jsonl"
     big_jsonl(path, 6 << 20)
-    text = D.read_corpus(path, val_percent=5)
+    text = text_lib.read_corpus(path, val_percent=5)
     peak = _peak(lambda: T.train_bpe((d.text for d in text.train), 300))
     assert peak < 2 << 20, peak  # the 6 MB of train text never held at once
 
@@ -219,7 +220,7 @@ def test_bad_records_refused_in_one_line(bad_dir, case):
     root, cases = bad_dir
     name, message = cases[case]
     with pytest.raises(DataError, match=message) as err:
-        D.read_corpus(root / name, text_field="body")
+        text_lib.read_corpus(root / name, text_field="body")
     assert "\n" not in str(err.value)
 
 
@@ -228,10 +229,10 @@ def test_missing_field_of_a_saved_dataset(tmp_path):
 
     datasets.Dataset.from_dict({"text": ["a", "b"], "n": [1, 2]}).save_to_disk(str(tmp_path / "ds"))
     with pytest.raises(DataError, match=r"ds has no field 'body' \(its fields: text, n\)"):
-        D.read_corpus(tmp_path / "ds", text_field="body")
+        text_lib.read_corpus(tmp_path / "ds", text_field="body")
     datasets.DatasetDict({"test": datasets.Dataset.from_dict({"text": ["a"]})}).save_to_disk(str(tmp_path / "dd"))
     with pytest.raises(DataError, match=r"dd is a DatasetDict without a 'train' split \(its splits: test\)"):
-        D.read_corpus(tmp_path / "dd")
+        text_lib.read_corpus(tmp_path / "dd")
 
 
 def test_unreadable_files_are_named(tmp_path, monkeypatch):
@@ -243,10 +244,10 @@ def test_unreadable_files_are_named(tmp_path, monkeypatch):
 
     monkeypatch.setattr(S, "open", denied, raising=False)
     with pytest.raises(DataError, match=r"^cannot read a.jsonl: Permission denied$"):
-        D.read_corpus(tmp_path / "a.jsonl")
+        text_lib.read_corpus(tmp_path / "a.jsonl")
     monkeypatch.setattr(type(tmp_path), "read_bytes", denied)
     with pytest.raises(DataError, match=r"^cannot read b.txt: Permission denied$"):
-        D.read_corpus(tmp_path / "b.txt")
+        text_lib.read_corpus(tmp_path / "b.txt")
 
 
 # ----- through the command line ---------------------------------------------------------------------------------
@@ -274,7 +275,7 @@ def test_cli_trains_on_each_format(workspace, fmt):
                           workspace / "model.json", "--cache-dir", cache, *TRAIN_FLAGS)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "30 documents" in proc.stdout
-    corpus = D.load_corpus(T.load(run), path, cache_dir=cache, text_field="body", val_percent=20)
+    corpus = encoding_lib.load_corpus(T.load(run), path, cache_dir=cache, text_field="body", val_percent=20)
     assert corpus.cache_hit  # the run encoded exactly this corpus
     batch = corpus.train_batch(0, batch_size=2, seq_len=16, seed=0)
     source = "\0".join(docs.values())

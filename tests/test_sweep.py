@@ -17,7 +17,7 @@ import pytest
 from mlx_llm.errors import ConfigError
 from mlx_llm.scaling.accounting import train_flops_per_token
 from mlx_llm.scaling.laws import isoflop_fit
-from mlx_llm.train import tokenizer as tok_lib
+from mlx_llm.data import tokenizer as tok_lib
 
 REPO = Path(__file__).resolve().parents[1]
 REQUIRED = ("name", "budget", "d_model", "n_layers", "N", "N_total", "D", "C", "steps", "batch_size", "seq_len", "loss",

@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from mlx_llm.errors import ConfigError
-from mlx_llm.post import tasks as K
-from mlx_llm.train.data import read_corpus
+from mlx_llm.data import tasks as K
+from mlx_llm.data.text import read_corpus
 
 QUESTION = re.compile(r"What is (\d+) ([+-]) (\d+)\?")
 DOCSTRING = re.compile(re.escape(K.NAME_FUNCTION_QUESTION) + '\n"""(.*)"""', re.S)
@@ -39,7 +39,7 @@ DIGEST_ARGS = [("arithmetic", "train", 2000), ("arithmetic", "heldout", 500), ("
                ("name_function", "heldout", None), ("name_function", "train", 300)]
 DIGESTS = f"""
 import hashlib, json
-from mlx_llm.post import tasks as K
+from mlx_llm.data import tasks as K
 for task, split, n in {DIGEST_ARGS!r}:
     print(hashlib.sha256(json.dumps(K.examples(task, split, n=n), ensure_ascii=False).encode()).hexdigest())
 """

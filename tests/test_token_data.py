@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from mlx_llm.errors import ConfigError, DataError, InputError
-from mlx_llm.train import tokenizer as tok_lib
-from mlx_llm.train.corpora import token_corpus
-from mlx_llm.train.data import window_starts
-from mlx_llm.train.tokens import (LLMC_MAGIC, TokenStream, find_token_files, is_token_source, is_val_name,
-                                  read_token_source)
+from mlx_llm.data import tokenizer as tok_lib
+from mlx_llm.data.corpora import token_corpus
+from mlx_llm.data.packing import window_starts
+from mlx_llm.data.tokens import (LLMC_MAGIC, TokenStream, find_token_files, is_token_source, is_val_name,
+                                 read_token_source)
 from helpers import cli_in_process, snapshot
 
 V = 97

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlx_llm.train import tokenizer as T
+from mlx_llm.data import tokenizer as T
 from mlx_llm.errors import ConfigError, DataError, InputError
 
 CORPUS = [

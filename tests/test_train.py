@@ -19,7 +19,7 @@ from mlx_llm.config import TrainConfig
 from mlx_llm.errors import CheckpointError, ConfigError
 from mlx_llm.train.metrics import TrainingDiverged
 from mlx_llm.runs.load import load_params
-from mlx_llm.train.run import train_run
+from mlx_llm.runs.pretrain import train_run
 from helpers import TINY, assert_trees_equal, spec_for, tiny_cfg, tiny_train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -123,7 +123,7 @@ def test_seq_len_longer_than_model_rejected(tmp_path, corpus_dir):
 def test_time_budget_sets_the_steps_it_fits(tmp_path, corpus_dir, monkeypatch):
     """--time-budget measures the step (here replaced by a fixed 50 ms) and trains budget / step-time steps, with
     warmup and intervals capped to them; train_config.json records the steps, so the run resumes as any other."""
-    from mlx_llm.train import run as run_lib
+    from mlx_llm.runs import pretrain as run_lib
 
     monkeypatch.setattr(run_lib, "seconds_per_step", lambda cfg, tcfg, corpus: 0.05)
     out = tmp_path / "r"
@@ -142,7 +142,7 @@ def test_time_budget_sets_the_steps_it_fits(tmp_path, corpus_dir, monkeypatch):
 
 def test_segment_mask_isolates_documents_in_a_training_window(corpus_dir):
     """A token's logits do not change when another document in the same packed window changes."""
-    from mlx_llm.train.data import pack_windows
+    from mlx_llm.data.packing import pack_windows
 
     cfg = TINY
     params = __import__("mlx_llm").init_params(cfg, jax.random.key(0), dtype=jnp.float64)
@@ -251,7 +251,7 @@ def test_diffusion_run_trains_evaluates_samples_and_resumes_bitwise(tmp_path, co
     equals the uninterrupted one bit for bit (the noise is a function of (seed, step, micro-batch))."""
     from mlx_llm.runs.record import open_run
     from mlx_llm.runs.sample import generate_from_run
-    from mlx_llm.train.run import evaluate_run
+    from mlx_llm.eval.val import evaluate_run
 
     tcfg = tiny_train(objective="diffusion", grad_accum=2, steps=6)
     full, cut = tmp_path / "full", tmp_path / "cut"
@@ -293,7 +293,8 @@ def test_batch_loss_is_token_averaged_and_accumulation_changes_nothing():
     """M20 §10: L = −(1/n) Σ_t b_t log p(x_t | x_<t), n = Σ b_t over the whole batch: rows with unequal numbers
     of selected targets (1 and 7 here) are token-averaged, not row-averaged. Splitting the batch into
     grad_accum = 2 micro-batches (one row each) gives the same loss and the same update."""
-    from mlx_llm.objectives.loss import masked_cross_entropy, token_nll
+    from mlx_llm.objectives.loss import masked_cross_entropy
+    from mlx_llm.ops import token_nll
     from mlx_llm.train.parallel import make_mesh
     from mlx_llm.train.step import device_batch, init_state, jit_train_step, optimizer_for
 

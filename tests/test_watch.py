@@ -9,7 +9,7 @@ import pytest
 
 from mlx_llm import init_params
 from mlx_llm.config import ModelConfig
-from mlx_llm.post import lora
+from mlx_llm import lora
 from mlx_llm.train.watch import as_row, layer_rms, watch_stats
 
 SMALL = dict(vocab_size=64, d_model=16, n_layers=4, n_heads=4, n_kv_heads=2, d_head=4, d_ff=32, max_seq_len=32)

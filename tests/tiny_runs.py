@@ -8,7 +8,7 @@ from mlx_llm import ModelConfig
 from mlx_llm.config import TrainConfig
 from mlx_llm.post.sft import sft_run
 from mlx_llm.runs.configs import DataSpec, SFTConfig
-from mlx_llm.train.run import train_run
+from mlx_llm.runs.pretrain import train_run
 
 BASE_CFG = ModelConfig(vocab_size=263, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_head=16, d_ff=128,
                        max_seq_len=64)

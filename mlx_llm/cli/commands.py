@@ -20,37 +20,35 @@ from mlx_llm.cli.parser import POST_RECIPES, POST_SETTINGS
 from mlx_llm.config import ModelConfig, TrainConfig
 from mlx_llm.errors import MLXLLMError
 from mlx_llm.recipes import MAIN_JOB_MODEL, MAIN_JOB_TRAIN, MAIN_JOB_VOCAB
-from mlx_llm.runs.configs import DataSpec, LoRAConfig, RunOptions, Sizing
-from mlx_llm.train.mixture import data_flag
+from mlx_llm.runs.configs import DataSpec, RunOptions, Sizing
+from mlx_llm.config import LoRAConfig
+from mlx_llm.data.mixture import data_flag
 
 
 # ----- resuming: one rule for every training command --------------------------------------------------------
-def resumed_changes(args, given: dict, kind: str, parser) -> dict:
-    """On ``--resume``: every given setting must equal the run's (``runs.resume.check_unchanged``, flags named),
-    except the train fields of ``RESUME_MAY_CHANGE``, returned as the changes to apply."""
-    from mlx_llm.runs.record import open_run
-    from mlx_llm.runs.resume import RESUME_MAY_CHANGE, check_unchanged
-    from mlx_llm.train.checkpoint import check_run_dir
+def resume_of(args, given: dict, kind: str, parser, trust_unverified: bool | None = None):
+    """On ``--resume``: the run, opened once, accepted by the one rule (``runs.resume.open_resume``): every given
+    setting must equal the run's (flags named), except the train fields of ``RESUME_MAY_CHANGE``, which are
+    applied. Returns the ``Resume`` the run function continues. ``trust_unverified``: ``open_resume``'s."""
+    from mlx_llm.runs.resume import RESUME_MAY_CHANGE, open_resume
 
     if args.out is None:
         raise MLXLLMError("--resume needs --out DIR, the run directory to continue")
-    check_run_dir(args.out, resume=True)  # a run another process holds is refused first, naming it
-    run = open_run(args.out)
-    if run.kind != kind:
-        raise MLXLLMError(f"--resume continues a run exactly as it was configured: {args.out} is a {run.kind} run, "
-                          f"not a {kind} run (resume it with its own command)")
     asked = {section: dict(fields) for section, fields in given.items()}
     for flag, section, path in (("config", "model", getattr(args, "config", None)),
                                 ("train_config", "train", getattr(args, "train_config", None))):
         if path is not None:  # a config file on resume: every field of it is compared
             cls = ModelConfig if section == "model" else TrainConfig
             asked[section] = {**cls.from_json(path).to_dict(), **asked.get(section, {})}
+    changes = {k: v for k, v in given.get("train", {}).items() if k in RESUME_MAY_CHANGE}
+    resume = open_resume(args.out, kind=kind, given={k: v for k, v in asked.items() if k not in ("run", "sizing")},
+                         changes=changes, from_step=args.from_step, trust_unverified=trust_unverified,
+                         flags=flags_of(parser))
     base = getattr(args, "base", None)
-    if base is not None and str(Path(base).resolve()) != run.record.base.run:
+    if base is not None and str(Path(base).resolve()) != resume.run.record.base.run:
         raise MLXLLMError(f"--resume continues a run exactly as it was configured: --base {base} is not the run's "
-                          f"base ({run.record.base.run})")
-    check_unchanged(run, asked, flags_of(parser))
-    return {k: v for k, v in given.get("train", {}).items() if k in RESUME_MAY_CHANGE}
+                          f"base ({resume.run.record.base.run})")
+    return resume
 
 
 def lora_config(given: dict) -> LoRAConfig | None:
@@ -140,13 +138,13 @@ def compilation_cache(directory: str | None):
 @training_command
 def cmd_train(args, given: dict, parser) -> int:
     from mlx_llm.train.parallel import init_distributed, is_main_process
-    from mlx_llm.train.run import train_run
+    from mlx_llm.runs.pretrain import train_run
 
     if args.distributed or any(v is not None for v in (args.coordinator, args.num_processes, args.process_id)):
         init_distributed(args.coordinator, args.num_processes, args.process_id)
         if args.out is None:
             raise MLXLLMError("a multi-process run needs --out DIR (the same shared directory in every process)")
-    cfg = tcfg = spec = changes = branch = None
+    cfg = tcfg = spec = branch = resume = None
     if "path" in given.get("data", {}):  # --data PATH, or a mixture: NAME=PATH[:WEIGHT] ... / a mixture .json
         given["data"] = {**given["data"], **data_flag(given["data"].pop("path"))}
     sizing = Sizing(**given.pop("sizing", {}))
@@ -165,17 +163,17 @@ def cmd_train(args, given: dict, parser) -> int:
     elif args.branch_step is not None:
         raise MLXLLMError("--branch-step S needs --branch-from RUN: the run to branch off")
     elif args.resume:
-        changes = resumed_changes(args, given, "pretrain", parser)
+        resume = resume_of(args, given, "pretrain", parser, options.trust_unverified)
     else:
         cfg = with_given(ModelConfig.from_json(args.config) if args.config else MAIN_JOB_MODEL, given.get("model", {}))
         tcfg = with_given(TrainConfig.from_json(args.train_config) if args.train_config else MAIN_JOB_TRAIN,
                           given.get("train", {}))
         spec = with_given(DataSpec(vocab_size=MAIN_JOB_VOCAB), given.get("data", {}))
     out = args.out or Path("runs") / time.strftime("run-%Y%m%d-%H%M%S")
-    summary = train_run(out, cfg, tcfg, spec, resume=args.resume, show_progress=not args.no_progress,
+    summary = train_run(out, cfg, tcfg, spec, resume=resume or False, show_progress=not args.no_progress,
                         cache_dir=args.cache_dir, sample_prompt=args.prompt, sample_tokens=args.sample_tokens,
-                        time_budget=args.time_budget, changes=changes, from_step=args.from_step, options=options,
-                        sizing=sizing if sizing.active else None, branch=branch)
+                        time_budget=args.time_budget, from_step=None if resume else args.from_step,
+                        options=options, sizing=sizing if sizing.active else None, branch=branch)
     if not is_main_process():  # a multi-process run: process 0 reports
         return 0
     print(f"run: {out}")
@@ -240,9 +238,9 @@ def kernels_of(given: dict):
 
 
 def cmd_eval_harness(args, given: dict) -> int:
-    """``eval --lm-eval TASKS``: the harness on the run's checkpoint (runs/harness.py); prints lm_eval's table and
+    """``eval --lm-eval TASKS``: the harness on the run's checkpoint (eval/harness.py); prints lm_eval's table and
     writes its results JSON into the run (``RUN/lm_eval/<step>-<tasks>.json``). Unknown tasks are refused first."""
-    from mlx_llm.runs import harness
+    from mlx_llm.eval import harness
 
     lm, results = harness.evaluate_run(args.run, args.lm_eval, include=args.lm_eval_include, limit=args.limit,
                                        num_fewshot=args.num_fewshot, step=args.step, kernels=kernels_of(given))
@@ -253,7 +251,7 @@ def cmd_eval_harness(args, given: dict) -> int:
 
 
 def cmd_eval(args, given: dict, parser) -> int:
-    from mlx_llm.train.run import evaluate_run
+    from mlx_llm.eval.val import evaluate_run
 
     if args.lm_eval is not None:
         return cmd_eval_harness(args, given)
@@ -307,10 +305,10 @@ def cmd_post(args, given: dict, parser) -> int:
 
     kind = args.command
     run_fn = {"sft": sft.sft_run, "reward": reward.reward_run, "dpo": dpo.dpo_run, "rl": rl.rl_run}[kind]
-    common = dict(show_progress=not args.no_progress, from_step=args.from_step,
-                  options=RunOptions(**given.pop("run", {})))
+    options = RunOptions(**given.get("run", {}))
+    common = dict(show_progress=not args.no_progress, options=options)
     if args.resume:
-        summary = run_fn(args.out, resume=True, changes=resumed_changes(args, given, kind, parser), **common)
+        summary = run_fn(args.out, resume=resume_of(args, given, kind, parser), **common)
     else:
         settings = given.get("settings", {})
         if args.base is None or (kind != "rl" and not {"data", "task"} & settings.keys()) or (
@@ -319,7 +317,7 @@ def cmd_post(args, given: dict, parser) -> int:
             raise MLXLLMError(f"{kind} needs --base RUN and {need}")
         tcfg = with_given(POST_RECIPES[kind], given.get("train", {}))
         summary = run_fn(args.out, args.base, tcfg=tcfg, settings=POST_SETTINGS[kind](**settings),
-                         lora_cfg=lora_config(given), **common)
+                         lora_cfg=lora_config(given), from_step=args.from_step, **common)
     print(post_report(kind, args.out, summary))
     _print_heldout(summary)
     return 0
@@ -352,11 +350,11 @@ def _print_heldout(summary: dict) -> None:
 
 # ----- reading and writing runs -------------------------------------------------------------------------------
 def cmd_eval_task(args, given: dict, parser) -> int:
-    from mlx_llm.post.loop import run_template
-    from mlx_llm.post.sft import eval_task
+    from mlx_llm.post.prologue import run_template
+    from mlx_llm.eval.replies import eval_task
     from mlx_llm.runs.load import load_params
     from mlx_llm.runs.record import open_run
-    from mlx_llm.train import tokenizer as tok_lib
+    from mlx_llm.data import tokenizer as tok_lib
 
     run = open_run(args.run)
     res = eval_task(load_params(run), run.cfg, tok_lib.load(run.path), args.task, run_template(run.record),
@@ -366,12 +364,12 @@ def cmd_eval_task(args, given: dict, parser) -> int:
 
 
 def cmd_chat(args, given: dict, parser) -> int:
-    from mlx_llm.post.loop import run_template
-    from mlx_llm.post.sft import chat_session
-    from mlx_llm.post.templates import template_for
+    from mlx_llm.post.prologue import run_template
+    from mlx_llm.eval.replies import chat_session
+    from mlx_llm.data.templates import template_for
     from mlx_llm.runs.load import load_params
     from mlx_llm.runs.record import open_run
-    from mlx_llm.train import tokenizer as tok_lib
+    from mlx_llm.data import tokenizer as tok_lib
 
     run = open_run(args.run)
     run.require_language_model("chat")

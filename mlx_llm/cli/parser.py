@@ -13,10 +13,10 @@ from pathlib import Path
 
 from mlx_llm.cli.flags import add_config_flags
 from mlx_llm.config import ModelConfig, TrainConfig
-from mlx_llm.post.tasks import TASKS
+from mlx_llm.data.tasks import TASKS
 from mlx_llm.recipes import MAIN_JOB_TRAIN, MAIN_JOB_VOCAB, PREF_TRAIN, SFT_TRAIN
-from mlx_llm.runs.configs import (DataSpec, DPOConfig, LoRAConfig, RewardConfig, RLConfig, RunOptions, SFTConfig,
-                                  Sizing)
+from mlx_llm.runs.configs import DataSpec, DPOConfig, RewardConfig, RLConfig, RunOptions, SFTConfig, Sizing
+from mlx_llm.config import LoRAConfig
 
 KERNEL_FIELDS = ("attention_impl", "moe_impl", "loss_chunk")
 COMPILE_FIELDS = ("batch_size", "seq_len", "grad_accum", "mesh", "remat", "compute_dtype", "objective",
@@ -135,7 +135,7 @@ def add_inspect(sub) -> None:
     et = sub.add_parser("eval-task", help="held-out exact match of a run on a built-in task")
     trust_flag(et)
     et.add_argument("--run", type=Path, required=True, help="the run directory")
-    et.add_argument("--task", choices=TASKS, required=True, help="a built-in task (mlx_llm.post.tasks)")
+    et.add_argument("--task", choices=TASKS, required=True, help="a built-in task (mlx_llm.data.tasks)")
     et.add_argument("--eval-examples", "--examples", dest="examples", type=int,
                     help="how many held-out examples (default: all)")
     ch = sub.add_parser("chat", help="a terminal chat with a run, over the chat template")

@@ -54,7 +54,6 @@ class DecodeState:
         return self.k.shape[2]
 
 
-KVCache = DecodeState  # the name of the attention-only era, kept for readers of M20 §14
 
 
 def _layers_of(cfg: ModelConfig, kind: str) -> list[int]:
@@ -96,7 +95,7 @@ def reorder_rows(state: DecodeState, rows) -> DecodeState:
                          k_ring=take(state.k_ring), v_ring=take(state.v_ring), lengths=state.lengths[rows])
 
 
-def _check_capacity(cache: KVCache, n_new_B, t: int) -> None:
+def _check_capacity(cache: DecodeState, n_new_B, t: int) -> None:
     """Reject writes past the last slot before tracing (a clamped write would overwrite valid keys)."""
     if any(isinstance(x, jax.core.Tracer) for x in (cache.lengths, n_new_B)):
         return
@@ -171,7 +170,7 @@ def ring_context(cfg: ModelConfig, lengths_B, n_new_B, t: int) -> RingContext:
                        slots_BT=jnp.where(kept_BT, jnp.mod(q_BT, w), w))
 
 
-def forward_cached(params: Params, tokens_BT, cache: KVCache, cfg: ModelConfig, *, n_new_B=None, layers=None,
+def forward_cached(params: Params, tokens_BT, cache: DecodeState, cfg: ModelConfig, *, n_new_B=None, layers=None,
                    kernels=None, fresh: bool = False):
     """Logits (B, T, V) of the new positions and the cache that includes them (M20 §14).
 

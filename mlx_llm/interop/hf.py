@@ -24,11 +24,13 @@ import numpy as np
 
 from mlx_llm.config import ModelConfig, TrainConfig, umask_mode
 from mlx_llm.errors import CheckpointError, ConfigError
-from mlx_llm.interop import hf_config, hf_tokenizer, hf_weights
+from mlx_llm.interop import hf_config, hf_weights
+from mlx_llm.data import hf_tokenizer
 from mlx_llm.runs.configs import DataSpec
-from mlx_llm.runs.load import check_new_dir, checkpoint_step, load_params, new_dir, write_checkpoint_run
+from mlx_llm.runs.rundir import check_new_dir, new_dir
+from mlx_llm.runs.load import checkpoint_step, load_params, write_checkpoint_run
 from mlx_llm.runs.record import RunRecord, open_run
-from mlx_llm.train import tokenizer as tok_lib
+from mlx_llm.data import tokenizer as tok_lib
 
 WEIGHTS_FILE, INDEX_FILE, CONFIG_FILE = "model.safetensors", "model.safetensors.index.json", "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"

@@ -15,6 +15,7 @@ from mlx_llm.settings import JsonConfig
 
 ATTENTION_IMPLS = ("xla", "flash", "splash", "pallas_gpu", "auto")  # Kernels.attention_impl
 MOE_IMPLS = ("block", "ragged_dot", "megablox", "auto")  # Kernels.moe_impl
+SSM_SCANS = ("fused", "associative", "chunked", "auto")  # ModelConfig.ssm_scan: how the Mamba recurrence runs
 # Which backend each accelerator kernel runs on (interpret mode runs any of them on the CPU, for tests).
 KERNEL_BACKEND = {"splash": "tpu", "pallas_gpu": "gpu", "megablox": "tpu"}
 

@@ -52,7 +52,7 @@ def branch(h_BTD, layer, cfg, ctx, window: int | None = None) -> jax.Array:
     ``ctx.kernels`` names (kernels/attention.py)."""
     x_BTD = rms_norm(h_BTD, layer["attn_norm"], cfg.norm_eps)
     q, k, v = attention_qkv(x_BTD, layer, cfg, ctx.positions_BT)
-    o_BTHK = kernels.attention(q, k, v, ctx.segment_ids_BT, causal=getattr(cfg, "causal", True),
+    o_BTHK = kernels.attention(q, k, v, ctx.segment_ids_BT, causal=cfg.causal,
                                kernels=ctx.kernels, mask_BTS=ctx.mask_BTS, window=window)
     return h_BTD + attention_output(o_BTHK, layer)
 

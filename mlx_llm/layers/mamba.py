@@ -35,7 +35,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from mlx_llm.config import SSM_SCANS as SCANS  # ModelConfig.ssm_scan's choices, checked by ``mix``
+from mlx_llm.kernels import SSM_SCANS as SCANS  # ModelConfig.ssm_scan's choices, checked by ``mix``
 from mlx_llm.kernels import backend_platform
 from mlx_llm.kernels.ssm_scan import chunked_scan, resolve_ssm_scan
 from mlx_llm.layers import initializers, layout

@@ -12,23 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mlx_llm.errors import InputError
-
-
-def _acc(x: jax.Array) -> jax.Array:
-    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
-
-
-def log_softmax(logits_BTV: jax.Array) -> jax.Array:
-    """log p = Λ − logsumexp(Λ), with the row maximum subtracted first (M20 §9)."""
-    x = _acc(logits_BTV)
-    z = x - jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))
-    return z - jnp.log(jnp.sum(jnp.exp(z), axis=-1, keepdims=True))
-
-
-def token_nll(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
-    """Per-token surprise −log p(x_t | x_<t) = logsumexp(Λ_{t−1}) − Λ_{t−1, x_t} (M20 §10), in nats."""
-    logp_BTV = log_softmax(logits_BTV)
-    return -jnp.take_along_axis(logp_BTV, targets_BT[..., None].astype(jnp.int32), axis=-1)[..., 0]
+from mlx_llm.ops import token_nll
 
 
 def check_loss_mask(mask_BT) -> None:

@@ -13,22 +13,18 @@ computed in the same step with no gradient through them.
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mlx_llm.config import TrainConfig
-from mlx_llm.errors import ConfigError
-from mlx_llm.post import loop
-from mlx_llm.post import lora as lora_lib
+from mlx_llm.config import LoRAConfig, TrainConfig
+from mlx_llm.eval.replies import eval_task
 from mlx_llm.post import pairs as pairs_lib
-from mlx_llm.post.sft import eval_task
+from mlx_llm.post import prologue
 from mlx_llm.runs.configs import DPOConfig
-from mlx_llm.runs.resume import schedule_config
-from mlx_llm.train.checkpoint import locked_run_dir
 from mlx_llm.train.metrics import write_summary
+from mlx_llm.train.preflight import compiled_update
 from mlx_llm.train.step import moe_offsets
 
 
@@ -75,7 +71,7 @@ def make_objective(cfg, beta: float, lora_cfg, nll_weight: float = 0.0, kernels=
 
     def objective(trainable, frozen, batch, key):
         ref_c, ref_r = jax.lax.stop_gradient(pair_logprobs(frozen["reference"], cfg, batch, kernels))
-        (lp_c, lp_r), load = pair_logprobs(loop.policy_params(trainable, frozen, lora_cfg), cfg, batch, kernels,
+        (lp_c, lp_r), load = pair_logprobs(prologue.policy_params(trainable, frozen, lora_cfg), cfg, batch, kernels,
                                            remat=remat, return_aux=True)
         m = margin(lp_c, lp_r, ref_c, ref_r, beta)
         n_chosen = jnp.sum(batch["chosen"]["target"][:, 1:], axis=-1)
@@ -108,51 +104,38 @@ def make_eval(cfg, beta, lora_cfg, frozen, data: pairs_lib.PairData, batch_size:
 
 # ----- runs ---------------------------------------------------------------------------------------------------
 def dpo_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, settings: DPOConfig | None = None,
-            lora_cfg: lora_lib.LoRAConfig | None = None, resume: bool = False, changes: dict | None = None,
+            lora_cfg: LoRAConfig | None = None, resume=False, changes: dict | None = None,
             from_step: int | None = None, show_progress: bool = True, max_seconds: float | None = None,
             log=print, options=None) -> dict:
     """DPO from ``base_run`` (the policy's start, and the reference unless ``settings.reference`` names another
     run with the same tokenizer and config) on the pairs of ``settings``' data or task; with a task, held-out
-    exact match before and after. Everything is checked before the run directory is created; on resume
-    everything is read back from the run."""
-    run_dir = Path(run_dir)
-    run, resumed, plan = loop.resume_of(run_dir, resume, changes, from_step)
-    if run is not None:
-        tcfg, settings, lora_cfg, base_run = resumed, run.record.settings, run.record.lora, run.record.base.run
-    s = settings
-    base = loop.load_base(base_run)
-    if run is not None:
-        loop.check_base_unchanged(run, base)
-    ref = base if s.reference is None else loop.load_base(s.reference)
-    loop.check_same_model(base, ref, "reference")
-    if tcfg.seq_len > base.cfg.max_seq_len:
-        raise ConfigError(f"seq_len = {tcfg.seq_len} is longer than the base model's max_seq_len = "
-                          f"{base.cfg.max_seq_len}")
+    exact match before and after. Everything is checked before the run directory is created
+    (``prologue.start``); on resume everything is read back from the run."""
+    st = prologue.start(run_dir, "dpo", base_run, tcfg=tcfg, settings=settings, lora_cfg=lora_cfg, resume=resume,
+                        changes=changes, from_step=from_step)
+    base, tcfg, s, lora_cfg = st.base, st.tcfg, st.settings, st.lora_cfg
     data_ = pairs_lib.load_pairs(base, tcfg, data=s.data, task=s.task, n_train=s.n_train,
                                  model_negatives=s.model_negatives)
-    record = loop.post_record("dpo", base, lora_cfg, settings)
-    trainable = loop.initial_trainable(base, lora_cfg, tcfg.seed)
-    frozen = {"reference": ref.params, **({"base": base.params} if lora_cfg is not None else {})}
+    trainable = prologue.initial_trainable(base, lora_cfg, tcfg.seed)
+    frozen = {"reference": st.reference.params, **({"base": base.params} if lora_cfg is not None else {})}
     batch_fn = lambda step, _: (data_.train_batch(step, tcfg.batch_size, tcfg.seed), {})  # noqa: E731
     objective = make_objective(base.cfg, s.beta, lora_cfg, s.nll_weight, tcfg.kernels(resolve=True), tcfg.remat)
-    update = loop.compiled_update(base.cfg, schedule_config(tcfg, plan and plan.schedule_steps), objective,
-                                  trainable, frozen, batch_fn(0, None)[0],
-                                  offsets=None if lora_cfg else moe_offsets(base.cfg))
+    update = compiled_update(base.cfg, st.schedule_tcfg, objective, trainable, frozen, batch_fn(0, None)[0],
+                             offsets=None if lora_cfg else moe_offsets(base.cfg))
     before = (eval_task(base.params, base.cfg, base.tok, s.task, base.template, n=s.eval_examples)
-              if s.task is not None and not resume else None)
-    with locked_run_dir(run_dir, resume):  # held to the end of the run
-        loop.start_run(run_dir, base, tcfg, record, plan)
+              if s.task is not None and st.resume is None else None)
+    with st.writing():  # the run's lock, held to the end of the run
         log(f"dpo from {base.run} (step {base.step}), β = {s.beta:g}, NLL weight {s.nll_weight:g}: "
             f"{len(data_.train):,} train pairs, {len(data_.val):,} held out; {'LoRA' if lora_cfg else 'full'}")
-        out = loop.post_fit(run_dir, base.cfg, tcfg, trainable, frozen, update, batch_fn,
-                            make_eval(base.cfg, s.beta, lora_cfg, frozen, data_, tcfg.batch_size,
-                                      tcfg.eval_tokens or None),
-                            plan=plan, show_progress=show_progress, max_seconds=max_seconds, log=log, options=options)
+        out = st.fit(trainable, frozen, update, batch_fn,
+                     make_eval(base.cfg, s.beta, lora_cfg, frozen, data_, tcfg.batch_size,
+                               tcfg.eval_tokens or None),
+                     show_progress=show_progress, max_seconds=max_seconds, log=log, options=options)
         summary = out["summary"]
         if s.task is not None:
-            params = loop.policy_params(out["state"].params, frozen, lora_cfg)
+            params = prologue.policy_params(out["state"].params, frozen, lora_cfg)
             summary["heldout_accuracy"] = eval_task(params, base.cfg, base.tok, s.task, base.template,
                                                     n=s.eval_examples)["accuracy"]
             if before is not None:
                 summary["base_heldout_accuracy"] = before["accuracy"]
-        return write_summary(run_dir, summary)
+        return write_summary(st.run_dir, summary)

@@ -26,11 +26,12 @@ import numpy as np
 from mlx_llm.config import ModelConfig
 from mlx_llm.errors import ConfigError, DataError, InputError
 from mlx_llm.model import check_tokens, hidden_states, nll_from_hidden, resolved
-from mlx_llm.post import tasks as tasks_lib
-from mlx_llm.post.chat import ChatTemplate, check_messages, jsonl_records
-from mlx_llm.post.sft import REPLY_TOKENS, sample_replies
-from mlx_llm.post.templates import template_for
-from mlx_llm.train.data import epoch_order, first_until, val_score
+from mlx_llm.data import tasks as tasks_lib
+from mlx_llm.data.chat import ChatTemplate, check_messages, jsonl_records
+from mlx_llm.eval.replies import REPLY_TOKENS, sample_replies
+from mlx_llm.data.templates import template_for
+from mlx_llm.data.text import epoch_order, val_score
+from mlx_llm.data.packing import first_until
 
 VAL_PERCENT = 5.0  # share of a pair file held out, by a stable hash of the pair's text
 SIDES = ("chosen", "rejected")
@@ -217,7 +218,7 @@ class PairData:
 def load_pairs(base, tcfg, *, data=None, task=None, n_train=None, model_negatives=False):
     """``PairData`` of a JSONL file (``VAL_PERCENT`` held out by hash) or of a task (its train split, up to
     ``n_train`` problems; every problem of its heldout split, for arithmetic its default sample of 1,000), for
-    ``base`` (a ``loop.Base``: tokenizer, template — the tokenizer's own chat template when it has one — and the
+    ``base`` (a ``prologue.Base``: tokenizer, template — the tokenizer's own chat template when it has one — and the
     model that answers when ``model_negatives``)."""
     template = template_for(base.tok, base.template)
     if (data is None) == (task is None):

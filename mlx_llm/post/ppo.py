@@ -30,10 +30,12 @@ import numpy as np
 import optax
 
 from mlx_llm.errors import ConfigError
+from mlx_llm.settings import check_number
 from mlx_llm.model import hidden_states, nll_from_hidden, resolved
 from mlx_llm.ops import rms_norm
-from mlx_llm.post import loop
+from mlx_llm.post import prologue
 from mlx_llm.runs.configs import RLConfig
+from mlx_llm.runs.load import trainable_tree
 
 
 # ----- the equations ------------------------------------------------------------------------------------------
@@ -93,7 +95,7 @@ def train_bandit(pi_ref, rewards, beta, *, k: int = 16, steps: int = 2000, lr: f
     learning rate decayed to 0 by a cosine, as the trainer's schedule decays it), the KL to π_ref in the reward.
     Returns π_θ after every rollout, (steps, n). (At a constant learning rate the iterates reach π* and then
     wander 0.01–0.04 from it: near π* the gradients vanish, and Adam rescales them to steps of about lr.)"""
-    beta = loop.check_beta(beta)
+    beta = check_number("beta", beta, low=0.0, positive=True)
     log_ref, r = jnp.log(jnp.asarray(pi_ref, jnp.float32)), jnp.asarray(rewards, jnp.float32)
     opt = optax.adam(optax.cosine_decay_schedule(lr, steps * epochs * minibatches))
     size = k // minibatches
@@ -150,7 +152,7 @@ def make_objective(cfg, settings: RLConfig, lora_cfg, kernels=None, remat: str =
     s = settings
 
     def objective(trainable, frozen, batch, key):
-        policy = loop.policy_params(trainable["policy"], frozen, lora_cfg)
+        policy = prologue.policy_params(trainable["policy"], frozen, lora_cfg)
         logp, values, load = token_logprobs_and_values(policy, trainable["value_head"], cfg, batch, kernels,
                                                        remat=remat)
         terms = token_losses(logp, batch["old_logp"], batch["adv"], values, batch["old_value"], batch["ret"],
@@ -168,7 +170,7 @@ def make_scorer(cfg, settings: RLConfig, lora_cfg, kernels=None):
     and values, advantages, returns) and the rollout's mean per-reply KL to the reference."""
 
     def score(trainable, frozen, seqs, reward):
-        policy = loop.policy_params(trainable["policy"], frozen, lora_cfg)
+        policy = prologue.policy_params(trainable["policy"], frozen, lora_cfg)
         logp, values, _ = token_logprobs_and_values(policy, trainable["value_head"], cfg, seqs, kernels)
         ref = frozen["reference"]
         logp_ref = -nll_from_hidden(hidden_states(ref, seqs["ids"][:, :-1], cfg, kernels=resolved(kernels)),
@@ -182,10 +184,9 @@ def make_scorer(cfg, settings: RLConfig, lora_cfg, kernels=None):
     return jax.jit(score)
 
 
-def initial_trainable(base: loop.Base, lora_cfg, seed: int) -> dict:
-    """The policy (the base's parameters or fresh adapters) and a zero value head."""
-    return {"policy": loop.initial_trainable(base, lora_cfg, seed),
-            "value_head": jnp.zeros((base.cfg.d_model,), jnp.float32)}
+def initial_trainable(base: prologue.Base, lora_cfg, seed: int, settings: RLConfig) -> dict:
+    """The policy (the base's parameters or fresh adapters) and a zero value head (``RLConfig.trainable_layout``)."""
+    return trainable_tree(settings, prologue.initial_trainable(base, lora_cfg, seed), base.cfg.d_model)
 
 
 def rollout_batch(sampler, step: int, trainable, settings: RLConfig, kernels=None):

@@ -21,21 +21,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mlx_llm.config import ModelConfig, TrainConfig
+from mlx_llm.config import LoRAConfig, ModelConfig, TrainConfig
 from mlx_llm.errors import ConfigError
 from mlx_llm.model import hidden_states
 from mlx_llm.ops import rms_norm
-from mlx_llm.post import loop
-from mlx_llm.post import lora as lora_lib
+from mlx_llm.post import prologue
+from mlx_llm import lora as lora_lib
 from mlx_llm.post import pairs as pairs_lib
-from mlx_llm.post.chat import ChatTemplate
-from mlx_llm.train import tokenizer as tok_lib
+from mlx_llm.data.chat import ChatTemplate
+from mlx_llm.data import tokenizer as tok_lib
 from mlx_llm.runs.configs import RewardConfig
-from mlx_llm.runs.load import base_params, restore_params
+from mlx_llm.runs.load import restore_trained, trainable_tree
 from mlx_llm.runs.record import open_run
-from mlx_llm.runs.resume import schedule_config
-from mlx_llm.train.checkpoint import locked_run_dir
 from mlx_llm.train.metrics import write_summary
+from mlx_llm.train.preflight import compiled_update
 from mlx_llm.train.step import moe_offsets
 
 
@@ -84,7 +83,7 @@ def make_objective(cfg: ModelConfig, lora_cfg, kernels=None, remat: str = "none"
     reward_gap} summed)): ``train.step.make_update``'s form; trainable = {"model", "reward_head"}."""
 
     def objective(trainable, frozen, batch, key):
-        params = loop.policy_params(trainable["model"], frozen, lora_cfg)
+        params = prologue.policy_params(trainable["model"], frozen, lora_cfg)
         (r_c, r_r), load = pair_rewards(params, trainable["reward_head"], cfg, batch, kernels, remat=remat,
                                         return_aux=True)
         n = jnp.asarray(r_c.shape[0], jnp.float32)
@@ -113,42 +112,30 @@ def make_eval(cfg, lora_cfg, frozen, data: pairs_lib.PairData, batch_size: int, 
 
 # ----- runs ---------------------------------------------------------------------------------------------------
 def reward_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, settings: RewardConfig | None = None,
-               lora_cfg: lora_lib.LoRAConfig | None = None, resume: bool = False, changes: dict | None = None,
+               lora_cfg: LoRAConfig | None = None, resume=False, changes: dict | None = None,
                from_step: int | None = None, show_progress: bool = True, max_seconds: float | None = None,
                log=print, options=None) -> dict:
     """Train a reward model from ``base_run`` on the pairs of ``settings`` (a data file or a task; with
     ``model_negatives`` the base's own wrong samples are rejected replies); returns held-out preference
-    accuracy. On resume everything is read back from the run (``changes``, ``from_step``: ``loop.resume_of``)."""
-    run_dir = Path(run_dir)
-    run, resumed, plan = loop.resume_of(run_dir, resume, changes, from_step)
-    if run is not None:
-        tcfg, settings, lora_cfg, base_run = resumed, run.record.settings, run.record.lora, run.record.base.run
-    s = settings
-    base = loop.load_base(base_run)
-    if run is not None:
-        loop.check_base_unchanged(run, base)
-    if tcfg.seq_len > base.cfg.max_seq_len:
-        raise ConfigError(f"seq_len = {tcfg.seq_len} is longer than the base model's max_seq_len = "
-                          f"{base.cfg.max_seq_len}")
+    accuracy. On resume everything is read back from the run (``changes``, ``from_step``: ``prologue.start``)."""
+    st = prologue.start(run_dir, "reward", base_run, tcfg=tcfg, settings=settings, lora_cfg=lora_cfg, resume=resume,
+                        changes=changes, from_step=from_step)
+    base, tcfg, s, lora_cfg = st.base, st.tcfg, st.settings, st.lora_cfg
     data_ = pairs_lib.load_pairs(base, tcfg, data=s.data, task=s.task, n_train=s.n_train,
                                  model_negatives=s.model_negatives)
-    record = loop.post_record("reward", base, lora_cfg, settings)
-    trainable = {"model": loop.initial_trainable(base, lora_cfg, tcfg.seed),
-                 "reward_head": jnp.zeros((base.cfg.d_model,), jnp.float32)}
+    trainable = trainable_tree(s, prologue.initial_trainable(base, lora_cfg, tcfg.seed), base.cfg.d_model)
     frozen = {"base": base.params} if lora_cfg is not None else {}
     batch_fn = lambda s, _: (data_.train_batch(s, tcfg.batch_size, tcfg.seed), {})  # noqa: E731
     objective = make_objective(base.cfg, lora_cfg, tcfg.kernels(resolve=True), tcfg.remat)
-    update = loop.compiled_update(base.cfg, schedule_config(tcfg, plan and plan.schedule_steps), objective,
-                                  trainable, frozen, batch_fn(0, None)[0],
-                                  offsets=None if lora_cfg else moe_offsets(base.cfg, ("model",)))
-    with locked_run_dir(run_dir, resume):  # held to the end of the run
-        loop.start_run(run_dir, base, tcfg, record, plan)
+    update = compiled_update(base.cfg, st.schedule_tcfg, objective, trainable, frozen, batch_fn(0, None)[0],
+                             offsets=None if lora_cfg else moe_offsets(base.cfg, ("model",)))
+    with st.writing():  # the run's lock, held to the end of the run
         log(f"reward model from {base.run} (step {base.step}): {len(data_.train):,} train pairs, {len(data_.val):,} "
             f"held out; {'LoRA' if lora_cfg else 'full'}")
-        out = loop.post_fit(run_dir, base.cfg, tcfg, trainable, frozen, update, batch_fn,
-                            make_eval(base.cfg, lora_cfg, frozen, data_, tcfg.batch_size, tcfg.eval_tokens or None),
-                            plan=plan, show_progress=show_progress, max_seconds=max_seconds, log=log, options=options)
-        return write_summary(run_dir, out["summary"])
+        out = st.fit(trainable, frozen, update, batch_fn,
+                     make_eval(base.cfg, lora_cfg, frozen, data_, tcfg.batch_size, tcfg.eval_tokens or None),
+                     show_progress=show_progress, max_seconds=max_seconds, log=log, options=options)
+        return write_summary(st.run_dir, out["summary"])
 
 
 @dataclasses.dataclass
@@ -177,11 +164,7 @@ def load_reward_model(run_dir, step: int | None = None) -> RewardModel:
     run = open_run(run_dir)
     if run.kind != "reward":
         raise ConfigError(f"{run.path} is not a reward model run (mlx-llm reward --out DIR); it is a {run.kind} run")
-    base = base_params(run)
-    lora_cfg = run.record.lora
-    model_like = base if lora_cfg is None else lora_lib.init(base, lora_cfg, jax.random.key(0))
-    like = {"model": model_like, "reward_head": jnp.zeros((run.cfg.d_model,), jnp.float32)}
-    trained = restore_params(run, step, like=like)
-    params = trained["model"] if lora_cfg is None else lora_lib.merge(base, trained["model"], lora_cfg)
+    model, trained, base = restore_trained(run, step)
+    params = model if base is None else lora_lib.merge(base, model, run.record.lora)
     tok = tok_lib.load(run.path)
-    return RewardModel(run.cfg, params, trained["reward_head"], tok, loop.run_template(run.record, tok), run.path)
+    return RewardModel(run.cfg, params, trained["reward_head"], tok, prologue.run_template(run.record, tok), run.path)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from pathlib import Path
 from typing import Any, Callable
 
 import jax
@@ -31,27 +30,26 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mlx_llm.config import TrainConfig
+from mlx_llm.config import LoRAConfig, TrainConfig
 from mlx_llm.errors import ConfigError
-from mlx_llm.post import loop
-from mlx_llm.post import lora as lora_lib
+from mlx_llm.post import prologue
 from mlx_llm.post import pairs as pairs_lib
 from mlx_llm.post import ppo
-from mlx_llm.post import tasks as tasks_lib
+from mlx_llm.data import tasks as tasks_lib
 from mlx_llm.post.reward import load_reward_model
-from mlx_llm.post.sft import REPLY_TOKENS, eval_task, sample_replies
-from mlx_llm.runs.configs import RLConfig
-from mlx_llm.runs.resume import schedule_config
-from mlx_llm.train.checkpoint import locked_run_dir
-from mlx_llm.train.data import epoch_order
+from mlx_llm.eval.replies import REPLY_TOKENS, eval_task, sample_replies
+from mlx_llm.runs.configs import RLConfig, check_group
+from mlx_llm.settings import check_number
+from mlx_llm.data.text import epoch_order
 from mlx_llm.train.metrics import write_summary
+from mlx_llm.train.preflight import compiled_update
 from mlx_llm.train.step import moe_offsets
 
 
 # ----- the equations ------------------------------------------------------------------------------------------
 def leash(pi_ref, rewards, beta) -> dict:
     """π* ∝ π_ref e^{r/β}, E_{π*}[r], KL(π* ‖ π_ref) and J(π*) = β ln Z (U19 §12), in the dtype of the inputs."""
-    beta = loop.check_beta(beta)
+    beta = check_number("beta", beta, low=0.0, positive=True)
     log_ref, r = jnp.log(jnp.asarray(pi_ref)), jnp.asarray(rewards)
     log_z = jax.nn.logsumexp(log_ref + r / beta)
     log_pi = log_ref + r / beta - log_z
@@ -64,13 +62,6 @@ def leash(pi_ref, rewards, beta) -> dict:
 def shaped_rewards(r, logp, logp_ref, beta):
     """r̃ = r − β (log π_θ(y) − log π_ref(y)): the k1 KL penalty summed over the reply's tokens, no gradient."""
     return r - beta * jax.lax.stop_gradient(logp - logp_ref)
-
-
-def check_group(k) -> int:
-    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 2:
-        raise ConfigError(f"k = {k!r} is invalid: group-relative advantages compare each reply with the other "
-                          f"replies to its prompt, so k must be an integer ≥ 2")
-    return int(k)
 
 
 def group_advantages(r_PK):
@@ -94,7 +85,7 @@ def leashed_loss(logp_PK, logp_ref_PK, r_PK, beta):
 def train_bandit(pi_ref, rewards, beta, *, k: int = 16, steps: int = 4000, lr: float = 0.05, seed: int = 0):
     """On-policy RL on a finite bandit with logits θ (π_θ = softmax θ, starting at π_ref), k samples per step,
     Adam: the same ``leashed_loss`` as the language-model trainer. Returns π_θ after every step, (steps, n)."""
-    beta, k = loop.check_beta(beta), check_group(k)
+    beta, k = check_number("beta", beta, low=0.0, positive=True), check_group(k)
     log_ref, r = jnp.log(jnp.asarray(pi_ref, jnp.float32)), jnp.asarray(rewards, jnp.float32)
     opt = optax.adam(lr)
 
@@ -123,7 +114,7 @@ def make_objective(cfg, beta: float, k: int, lora_cfg, kernels=None, remat: str 
 
     def objective(trainable, frozen, batch, key):
         seqs = {"ids": batch["ids"], "target": batch["target"]}
-        policy = loop.policy_params(trainable, frozen, lora_cfg)
+        policy = prologue.policy_params(trainable, frozen, lora_cfg)
         logp, load = pairs_lib.response_logprobs(policy, cfg, seqs, kernels, remat=remat, return_aux=True)
         logp_ref = jax.lax.stop_gradient(pairs_lib.response_logprobs(frozen["reference"], cfg, seqs, kernels))
         loss, aux = leashed_loss(logp.reshape(-1, k), logp_ref.reshape(-1, k), batch["reward"].reshape(-1, k), beta)
@@ -142,7 +133,7 @@ def reply_sequences(prompt_ids, replies, width: int, pad_id: int) -> dict:
 _logprobs = jax.jit(pairs_lib.response_logprobs, static_argnums=1)
 
 
-def sampled_kl(policy, reference, base: loop.Base, prompts, max_new_tokens: int, *, seed: int = 0) -> float:
+def sampled_kl(policy, reference, base: prologue.Base, prompts, max_new_tokens: int, *, seed: int = 0) -> float:
     """KL(π ‖ π_ref) over ``prompts`` (message lists), estimated from one reply per prompt drawn from π at
     temperature 1: the mean of Σ_t log π − log π_ref over the reply's tokens (k1; unbiased)."""
     replies = sample_replies(policy, base.cfg, base.tok, base.template, prompts, max_new_tokens, temperature=1.0,
@@ -158,7 +149,7 @@ class Sampler:
     """The host side of a step: P prompts of the task (an epoch permutation of (seed, epoch)), k replies to each
     from the current policy at temperature 1 (seeded by (seed, step)), their sequences and rewards."""
 
-    def __init__(self, base: loop.Base, task: str, tcfg: TrainConfig, k: int, frozen, lora_cfg, *, n_train=None,
+    def __init__(self, base: prologue.Base, task: str, tcfg: TrainConfig, k: int, frozen, lora_cfg, *, n_train=None,
                  reward_model=None, max_new_tokens=None):
         self.base, self.task, self.tcfg, self.k, self.frozen, self.lora_cfg = base, task, tcfg, k, frozen, lora_cfg
         self.examples = tasks_lib.examples(task, "train", n=n_train, seed=tcfg.seed)
@@ -183,7 +174,7 @@ class Sampler:
 
         base, k = self.base, self.k
         idx = np.repeat(epoch_order(step, self.tcfg.batch_size, len(self.examples), self.tcfg.seed), k)
-        params = loop.policy_params(trainable, self.frozen, self.lora_cfg)
+        params = prologue.policy_params(trainable, self.frozen, self.lora_cfg)
         seed = int(np.random.default_rng([self.tcfg.seed, step, 11]).integers(2**31))
         replies = sample_replies(params, base.cfg, base.tok, base.template,
                                  [tasks_lib.prompt_messages(self.examples[i]) for i in idx], self.max_new,
@@ -213,23 +204,23 @@ class Algorithm:
     minibatches: int = 1
 
 
-def _algorithm(base: loop.Base, tcfg: TrainConfig, s: RLConfig, sampler: "Sampler", lora_cfg) -> Algorithm:
+def _algorithm(base: prologue.Base, tcfg: TrainConfig, s: RLConfig, sampler: "Sampler", lora_cfg) -> Algorithm:
     """The group-baseline trainer (this module) or PPO (post/ppo.py) for ``s.algorithm``."""
     kernels = tcfg.kernels(resolve=True)
     if s.algorithm == "ppo":
         ppo.check_rollout_split(tcfg.batch_size * s.k, s, tcfg.grad_accum)
-        return Algorithm(ppo.initial_trainable(base, lora_cfg, tcfg.seed), lambda t: t["policy"],
+        return Algorithm(ppo.initial_trainable(base, lora_cfg, tcfg.seed, s), lambda t: t["policy"],
                          ppo.make_objective(base.cfg, s, lora_cfg, kernels, tcfg.remat), ppo.example_batch(sampler),
                          lambda step, t: ppo.rollout_batch(sampler, step, t, s, kernels), "reply_tokens",
                          f"PPO: {s.epochs} epochs × {s.minibatches} minibatches per rollout, ε = {s.clip:g}, "
                          f"λ = {s.gae_lambda:g}", s.epochs, s.minibatches)
-    return Algorithm(loop.initial_trainable(base, lora_cfg, tcfg.seed), lambda t: t,
+    return Algorithm(prologue.initial_trainable(base, lora_cfg, tcfg.seed), lambda t: t,
                      make_objective(base.cfg, s.beta, s.k, lora_cfg, kernels, tcfg.remat), sampler.example_batch(),
                      sampler, "replies", "leave-one-out group baseline")
 
 
 def rl_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, settings: RLConfig | None = None,
-           lora_cfg: lora_lib.LoRAConfig | None = None, resume: bool = False, changes: dict | None = None,
+           lora_cfg: LoRAConfig | None = None, resume=False, changes: dict | None = None,
            from_step: int | None = None, show_progress: bool = True, max_seconds: float | None = None,
            log=print, options=None) -> dict:
     """KL-leashed on-policy RL from ``base_run`` on ``settings.task`` (``tcfg.batch_size`` prompts × ``k`` replies
@@ -237,49 +228,39 @@ def rl_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, settings:
     tokenizer); the reference is the base unless ``settings.reference`` names another run. ``settings.algorithm``:
     the leave-one-out group baseline (this module) or PPO (post/ppo.py: a value head, GAE, several clipped updates
     per rollout). Held-out exact match before and after. On resume everything is read back from the run
-    (``changes``, ``from_step``: ``loop.resume_of``)."""
-    run_dir = Path(run_dir)
-    run, resumed, plan = loop.resume_of(run_dir, resume, changes, from_step)
-    if run is not None:
-        tcfg, settings, lora_cfg, base_run = resumed, run.record.settings, run.record.lora, run.record.base.run
-    s = settings
-    base = loop.load_base(base_run)
-    if run is not None:
-        loop.check_base_unchanged(run, base)
-    ref = base if s.reference is None else loop.load_base(s.reference)
-    loop.check_same_model(base, ref, "reference")
+    (``changes``, ``from_step``: ``prologue.start``)."""
+    st = prologue.start(run_dir, "rl", base_run, tcfg=tcfg, settings=settings, lora_cfg=lora_cfg, resume=resume,
+                        changes=changes, from_step=from_step)
+    base, tcfg, s, lora_cfg = st.base, st.tcfg, st.settings, st.lora_cfg
     rm = None
     if s.reward_model is not None:
         rm = load_reward_model(s.reward_model)
         if rm.tok.fingerprint() != base.tok.fingerprint():
             raise ConfigError(f"the reward model {s.reward_model} has a different tokenizer from the policy's "
                               f"({base.run}): it cannot score the policy's token ids")
-    frozen = {"reference": ref.params, **({"base": base.params} if lora_cfg is not None else {})}
+    frozen = {"reference": st.reference.params, **({"base": base.params} if lora_cfg is not None else {})}
     sampler = Sampler(base, s.task, tcfg, s.k, frozen, lora_cfg, n_train=s.n_train, reward_model=rm)
-    record = loop.post_record("rl", base, lora_cfg, settings)
     algo = _algorithm(base, tcfg, s, sampler, lora_cfg)
-    update = loop.compiled_update(base.cfg, schedule_config(tcfg, plan and plan.schedule_steps), algo.objective,
-                                  algo.trainable, frozen, algo.example_batch,
-                                  offsets=None if lora_cfg else moe_offsets(base.cfg), count_name=algo.count_name,
-                                  epochs=algo.epochs, minibatches=algo.minibatches)
-    before = None if resume else eval_task(base.params, base.cfg, base.tok, s.task, base.template,
-                                           n=s.eval_examples)
-    with locked_run_dir(run_dir, resume):  # held to the end of the run
-        loop.start_run(run_dir, base, tcfg, record, plan)
+    update = compiled_update(base.cfg, st.schedule_tcfg, algo.objective, algo.trainable, frozen,
+                             algo.example_batch, offsets=None if lora_cfg else moe_offsets(base.cfg),
+                             count_name=algo.count_name, epochs=algo.epochs, minibatches=algo.minibatches)
+    before = None if st.resume is not None else eval_task(base.params, base.cfg, base.tok, s.task, base.template,
+                                               n=s.eval_examples)
+    with st.writing():  # the run's lock, held to the end of the run
         log(f"rl from {base.run} (step {base.step}) on {s.task}: {tcfg.batch_size} prompts × {s.k} replies per "
             f"step, β = {s.beta:g}, reward from {'the checker' if rm is None else rm.run}; "
             f"{'LoRA' if lora_cfg else 'full'}; {algo.describe}")
 
         def evaluate(trainable):
-            params = loop.policy_params(algo.policy(trainable), frozen, lora_cfg)
+            params = prologue.policy_params(algo.policy(trainable), frozen, lora_cfg)
             return {"heldout_accuracy": eval_task(params, base.cfg, base.tok, s.task, base.template,
                                                   n=s.eval_examples)["accuracy"]}
 
-        out = loop.post_fit(run_dir, base.cfg, tcfg, algo.trainable, frozen, update, algo.batches, evaluate,
-                            plan=plan, show_progress=show_progress, max_seconds=max_seconds, log=log, on_policy=True,
-                            options=options)
+        out = st.fit(algo.trainable, frozen, update, algo.batches, evaluate,
+                     show_progress=show_progress, max_seconds=max_seconds, log=log, on_policy=True,
+                     options=options)
         summary = {**out["summary"],
                    **{key: out["last"].get(key) for key in ("reward", "accuracy", "kl", "response_length")}}
         if before is not None:
             summary["base_heldout_accuracy"] = before["accuracy"]
-        return write_summary(run_dir, summary)
+        return write_summary(st.run_dir, summary)

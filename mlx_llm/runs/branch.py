@@ -21,6 +21,7 @@ from pathlib import Path
 from mlx_llm.errors import CheckpointError, ConfigError
 from mlx_llm.runs.record import Run, open_run
 from mlx_llm.runs.resume import RESUME_MAY_CHANGE
+from mlx_llm.runs.rundir import checkpoints
 from mlx_llm.train.checkpoint import Checkpoints
 from mlx_llm.train.metrics import METRICS_FILE, append_metrics
 
@@ -61,7 +62,7 @@ def branch_configs(branch: Branch) -> tuple[Run, object]:
         raise ConfigError(f"--branch-step {s} is not in the stable phase: {run.path} decays from step {stable}, a "
                           f"branch of {tcfg.steps} steps from step {tcfg.steps - tcfg.decay_steps}; branch at or "
                           f"before both (or give more --steps)")
-    ckpts = Checkpoints(run.path)
+    ckpts = checkpoints(run)
     try:
         ckpts.check_intact(s)
     finally:

@@ -8,23 +8,21 @@ the same files.
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
 
 from mlx_llm.config import PARAM_COUNTS, JsonConfig, setting
+from mlx_llm.settings import check_int, check_number
 from mlx_llm.errors import ConfigError
-from mlx_llm.layers import layout
-from mlx_llm.post.tasks import TASKS
-from mlx_llm.train.data import DEFAULT_EXTENSIONS, DEFAULT_VAL_PERCENT, default_cache_dir
-from mlx_llm.train.mixture import parse_sources
+from mlx_llm.data.tasks import TASKS
+from mlx_llm.data.text import DEFAULT_EXTENSIONS, DEFAULT_VAL_PERCENT
+from mlx_llm.data.encoding import default_cache_dir
+from mlx_llm.data.mixture import parse_sources
 from mlx_llm.train.trackers import check_trackers
 
 TOKENIZERS = ("bpe", "byte")
-LORA_TARGETS = layout.lora_targets()  # the weights LoRA can adapt (layers/layout.py: each one's ``lora_in``)
 RL_ALGORITHMS = ("group", "ppo")
 # PPO's settings when not given (Schulman et al. 2017; γ = 1 over a reply, the usual choice for language models)
 PPO_DEFAULTS = {"clip": 0.2, "epochs": 4, "minibatches": 4, "value_coef": 0.5, "value_clip": 0.2, "gae_lambda": 0.95}
-DEFAULT_TARGETS = ("wq", "wv")  # U19 §10's rule of thumb: query and value
 DEFAULT_VOCAB = 1024  # the main job's BPE vocabulary (recipes.MAIN_JOB_VOCAB)
 
 
@@ -33,22 +31,13 @@ def _absolute(path) -> str | None:
 
 
 def _check_int(owner, name: str, minimum: int, *, optional: bool = False) -> None:
-    value = getattr(owner, name)
-    if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{type(owner).__name__}.{name} = {value!r} is invalid: it must be an integer >= {minimum}"
-                          + (" (or unset)" if optional else ""))
+    check_int(f"{type(owner).__name__}.{name}", getattr(owner, name), minimum, optional=optional)
 
 
 def _check_number(owner, name: str, *, low: float, positive: bool = False) -> float:
-    value = getattr(owner, name)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < low \
-            or (positive and value <= low):
-        bound = f"> {low:g}" if positive else f">= {low:g}"
-        raise ConfigError(f"{type(owner).__name__}.{name} = {value!r} is invalid: it must be a finite number {bound}")
-    object.__setattr__(owner, name, float(value))
-    return float(value)
+    value = check_number(f"{type(owner).__name__}.{name}", getattr(owner, name), low=low, positive=positive)
+    object.__setattr__(owner, name, value)
+    return value
 
 
 def _check_task(owner, *, required: bool, data: str | None = None) -> None:
@@ -71,7 +60,7 @@ class DataSpec(JsonConfig):
                                "(--vocab-size V); or a mixture: NAME=PATH[:WEIGHT] ... or a mixture .json "
                                "(default: the Python standard library)", flag="data", nargs="+",
                                metavar="PATH")
-    mixture: tuple[str, ...] = setting((), "a mixture's sources, NAME=PATH:WEIGHT each (train/mixture.py); set by "
+    mixture: tuple[str, ...] = setting((), "a mixture's sources, NAME=PATH:WEIGHT each (data/mixture.py); set by "
                                        "--data NAME=PATH[:WEIGHT] ...", cli=False)
     extensions: tuple[str, ...] = setting(DEFAULT_EXTENSIONS, "file extensions read from a directory, "
                                           "comma-separated")
@@ -119,12 +108,22 @@ class DataSpec(JsonConfig):
         return parse_sources(self.mixture)
 
 
+class KindSettings(JsonConfig):
+    """A run kind's settings; ``trainable_layout`` declares what its checkpoints hold, so the one loader reads every
+    kind without knowing any (runs/load.py)."""
+
+    def trainable_layout(self) -> tuple[str | None, tuple[str, ...]]:
+        """(the key of the model (or its LoRA adapters) in the run's trainable tree, None when the tree is the
+        model itself; the heads trained beside it, each declared in ``layers.layout.HEADS``)."""
+        return None, ()
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class SFTConfig(JsonConfig):
+class SFTConfig(KindSettings):
     """Supervised fine-tuning on conversations (M20 §16, U19 §9)."""
 
     data: str | None = setting(None, 'conversations, JSONL ({"messages": [...]} per line)', metavar="FILE.jsonl", path=True)
-    task: str | None = setting(None, "a built-in task (mlx_llm.post.tasks)", choices=TASKS)
+    task: str | None = setting(None, "a built-in task (mlx_llm.data.tasks)", choices=TASKS)
     n_train: int | None = setting(None, "cap on the task's train examples", flag="train_examples")
     eval_examples: int | None = setting(200, "held-out task examples scored before and after (unset: all)")
 
@@ -136,7 +135,7 @@ class SFTConfig(JsonConfig):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class RewardConfig(JsonConfig):
+class RewardConfig(KindSettings):
     """A Bradley–Terry reward model on preference pairs (U19 §11)."""
 
     data: str | None = setting(None, 'pairs, JSONL ({"prompt": [...], "chosen": {...}, "rejected": {...}} per '
@@ -152,6 +151,9 @@ class RewardConfig(JsonConfig):
         _check_int(self, "n_train", 1, optional=True)
         if not isinstance(self.model_negatives, bool):
             raise ConfigError(f"{type(self).__name__}.model_negatives = {self.model_negatives!r} must be true or false")
+
+    def trainable_layout(self) -> tuple[str | None, tuple[str, ...]]:
+        return "model", ("reward_head",)  # the trunk and r = w · R_last (post/reward.py)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -171,9 +173,21 @@ class DPOConfig(RewardConfig):
         _check_number(self, "nll_weight", low=0.0)
         _check_int(self, "eval_examples", 1, optional=True)
 
+    def trainable_layout(self) -> tuple[str | None, tuple[str, ...]]:
+        return None, ()  # the policy alone (the reference is frozen)
+
+
+def check_group(k, algorithm: str = "group", name: str = "k") -> int:
+    """Replies per prompt: the group baseline compares each reply with the other replies to its prompt (k ≥ 2);
+    PPO's value head needs none (k ≥ 1)."""
+    if algorithm == "group":
+        return check_int(name, k, 2, reason="group-relative advantages compare each reply with the other replies "
+                                             "to its prompt, so k must be an integer ≥ 2")
+    return check_int(name, k, 1, reason="k must be a positive integer")
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class RLConfig(JsonConfig):
+class RLConfig(KindSettings):
     """KL-leashed on-policy RL on a task (U19 §12): a group of replies per prompt, rewarded by the task's exact
     checker or a reward model; the per-token KL (k1 estimator) to the reference is part of the reward."""
 
@@ -209,13 +223,12 @@ class RLConfig(JsonConfig):
         if self.algorithm not in RL_ALGORITHMS:
             raise ConfigError(f"RLConfig.algorithm = {self.algorithm!r} is invalid: valid algorithms are "
                               f"{list(RL_ALGORITHMS)}")
-        low = 2 if self.algorithm == "group" else 1
-        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < low:
-            raise ConfigError(f"RLConfig.k = {self.k!r} is invalid: " + (
-                "group-relative advantages compare each reply with the other replies to its prompt, so k must be "
-                "an integer ≥ 2" if low == 2 else "k must be a positive integer"))
+        check_group(self.k, self.algorithm, "RLConfig.k")
         _check_int(self, "eval_examples", 1, optional=True)
         self._check_ppo()
+
+    def trainable_layout(self) -> tuple[str | None, tuple[str, ...]]:
+        return ("policy", ("value_head",)) if self.algorithm == "ppo" else (None, ())  # PPO: V_t = w · R_t
 
     def _check_ppo(self) -> None:
         given = [name for name in PPO_DEFAULTS if getattr(self, name) is not None]
@@ -230,41 +243,14 @@ class RLConfig(JsonConfig):
         _check_int(self, "minibatches", 1)
         _check_number(self, "value_coef", low=0.0)
         _check_number(self, "value_clip", low=0.0, positive=True)
-        for name, low, high, closed in (("clip", 0.0, 1.0, False), ("gae_lambda", 0.0, 1.0, True)):
-            value = _check_number(self, name, low=low, positive=not closed)
-            if value > high or (value == high and not closed):
-                raise ConfigError(f"RLConfig.{name} = {value!r} is invalid: it must be in "
-                                  f"{'[' if closed else '('}{low:g}, {high:g}{']' if closed else ')'}")
-
-
-@dataclasses.dataclass(frozen=True)
-class LoRAConfig:
-    """Rank r, scale α (the update is (α/r)·A·B) and the target keys."""
-
-    rank: int = setting(8, "train rank-R adapters beside the frozen base instead of every weight (LoRA is off "
-                        "unless --lora-rank is given)", show_default=False)
-    alpha: float = setting(16.0, "α of the adapters' update (α/r)·A·B")
-    targets: tuple[str, ...] = setting(DEFAULT_TARGETS, "comma-separated weight keys to adapt")
-
-    def __post_init__(self) -> None:
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
-            raise ConfigError(f"LoRA rank = {self.rank!r} is invalid: it must be a positive integer")
-        if not isinstance(self.alpha, (int, float)) or not math.isfinite(self.alpha) or self.alpha <= 0:
-            raise ConfigError(f"LoRA alpha = {self.alpha!r} is invalid: it must be a positive number")
-        targets = tuple(self.targets)
-        bad = [t for t in targets if t not in LORA_TARGETS]
-        if bad or not targets or len(set(targets)) != len(targets):
-            raise ConfigError(f"LoRA targets {list(targets)!r} are invalid: choose distinct keys among "
-                              f"{list(LORA_TARGETS)}")
-        object.__setattr__(self, "targets", targets)
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.rank
+        for name, closed in (("clip", False), ("gae_lambda", True)):
+            value = check_number(f"RLConfig.{name}", getattr(self, name), low=0.0, positive=not closed, high=1.0,
+                                 high_open=not closed)
+            object.__setattr__(self, name, value)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class NoSettings(JsonConfig):
+class NoSettings(KindSettings):
     """Run kinds with no settings of their own (pretraining: its data spec; merged and imported runs)."""
 
 

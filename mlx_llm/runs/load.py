@@ -6,9 +6,6 @@ parameters (themselves loaded the same way, at the step the run started from) wi
 
 from __future__ import annotations
 
-import contextlib
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +16,10 @@ import numpy as np
 from mlx_llm.config import ModelConfig, TrainConfig
 from mlx_llm.errors import CheckpointError, ConfigError
 from mlx_llm.model import init_params
-from mlx_llm.post import lora as lora_lib
+from mlx_llm import lora as lora_lib
 from mlx_llm.runs.record import Run, RunRecord, open_run, write_run
-from mlx_llm.train import tokenizer as tok_lib
+from mlx_llm.runs.rundir import check_new_dir, checkpoints, new_dir
+from mlx_llm.data import tokenizer as tok_lib
 from mlx_llm.train.checkpoint import Checkpoints
 from mlx_llm.train.parallel import make_mesh, replicated
 from mlx_llm.train.step import init_state, optimizer_for
@@ -53,7 +51,7 @@ def restore_params(run, step: int | None = None, *, like=None):
     abstract = jax.eval_shape(lambda: init_state(run.cfg, run.tcfg, optimizer_for(run.tcfg),
                                                  like() if callable(like) else like))
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated(mesh)), abstract)
-    ckpts = Checkpoints(run.path)
+    ckpts = checkpoints(run)
     try:
         return ckpts.restore(abstract, step).params
     finally:
@@ -67,46 +65,39 @@ def base_params(run: Run):
     return load_params(run.record.base.run, run.record.base.step)
 
 
-def load_params(run, step: int | None = None):
-    """A language-model run's parameters at ``step`` (default the latest): the checkpoint itself, or, for a
-    LoRA run, its base's parameters with the adapters folded in once (W₀ + (α/r)·A·B, post/lora.py)."""
+def trainable_tree(settings, model, d_model: int) -> dict:
+    """A run's trainable tree as its kind declares it (``settings.trainable_layout()``): ``model`` (the model or
+    its adapters) alone, or under its key beside zero-initialised heads of width ``d_model``."""
+    key, heads = settings.trainable_layout()
+    if key is None:
+        return model
+    return {key: model, **{head: jnp.zeros((d_model,), jnp.float32) for head in heads}}
+
+
+def restore_trained(run, step: int | None = None) -> tuple:
+    """(the model part of a run's checkpoint — its parameters or its LoRA adapters —, the whole trainable tree,
+    the base's parameters for a LoRA run or None), by the kind's declared layout."""
     run = as_run(run)
-    run.require_language_model("loading its parameters as a model")
     lora_cfg = run.record.lora
     base = None if lora_cfg is None else base_params(run)
-    policy = None if lora_cfg is None else lora_lib.init(base, lora_cfg, jax.random.key(0))
-    if run.kind == "rl" and run.record.settings.algorithm == "ppo":  # the policy beside a value head (post/ppo.py)
-        def like():
-            return {"policy": init_params(run.cfg, jax.random.key(0)) if policy is None else policy,
-                    "value_head": jnp.zeros((run.cfg.d_model,), jnp.float32)}
+    model = None if lora_cfg is None else lora_lib.init(base, lora_cfg, jax.random.key(0))
 
-        trained = restore_params(run, step, like=like)["policy"]
-    else:
-        trained = restore_params(run, step, like=policy)
-    return trained if lora_cfg is None else lora_lib.merge(base, trained, lora_cfg)
+    def like():
+        return trainable_tree(run.record.settings, init_params(run.cfg, jax.random.key(0)) if model is None else model,
+                              run.cfg.d_model)
 
-
-def check_new_dir(path: Path, what: str) -> None:
-    """``path`` must not exist, or be an empty directory: nothing is ever overwritten."""
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
-        raise CheckpointError(f"{what} {str(path)!r} exists and is not empty; choose a new directory")
+    trained = restore_params(run, step, like=like)
+    key = run.record.settings.trainable_layout()[0]
+    return (trained if key is None else trained[key]), trained, base
 
 
-@contextlib.contextmanager
-def new_dir(path: Path):
-    """Yield a temporary sibling of ``path`` to fill; on success it becomes ``path``, on failure it is removed,
-    so a failed write leaves nothing behind."""
-    path = Path(path).absolute()
-    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        yield tmp
-        if path.exists():
-            path.rmdir()  # empty (checked before): rename needs it gone
-        os.rename(tmp, path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+def load_params(run, step: int | None = None):
+    """A language-model run's parameters at ``step`` (default the latest): the checkpoint itself, or, for a
+    LoRA run, its base's parameters with the adapters folded in once (W₀ + (α/r)·A·B, lora.py)."""
+    run = as_run(run)
+    run.require_language_model("loading its parameters as a model")
+    model, _, base = restore_trained(run, step)
+    return model if base is None else lora_lib.merge(base, model, run.record.lora)
 
 
 def write_checkpoint_run(out, cfg: ModelConfig, tcfg: TrainConfig, record: RunRecord, tok: tok_lib.Tokenizer,

@@ -28,7 +28,7 @@ from typing import Any
 
 from mlx_llm.config import ModelConfig, TrainConfig, write_json_atomic
 from mlx_llm.errors import CheckpointError, ConfigError
-from mlx_llm.runs.configs import LoRAConfig
+from mlx_llm.config import LoRAConfig
 from mlx_llm.runs.configs import KIND_CONFIGS, DataSpec
 
 CONFIG_FILE, TRAIN_CONFIG_FILE, RUN_FILE = "config.json", "train_config.json", "run.json"

@@ -9,7 +9,7 @@ from mlx_llm.decode.diffusion import sample
 from mlx_llm.decode.generate import generate
 from mlx_llm.errors import ConfigError
 from mlx_llm.runs.load import as_run, checkpoint_step, load_params
-from mlx_llm.train import tokenizer as tok_lib
+from mlx_llm.data import tokenizer as tok_lib
 
 DIFFUSION_SAMPLE_STEPS = 64  # denoising steps of a diffusion run's closing sample
 

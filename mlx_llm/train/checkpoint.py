@@ -1,25 +1,17 @@
-"""Run directories and orbax checkpoints.
+"""Orbax checkpoints with checksum manifests, written asynchronously.
 
-A run directory holds ``config.json``, ``train_config.json``, ``run.json`` (the run record, runs/record.py),
-``tokenizer.json``, ``checkpoints/<step>/`` (orbax, the last ``keep`` kept), ``metrics.jsonl``, ``loss.png`` and
-``sample.txt``.
-Orbax writes each checkpoint to a temporary directory and renames it when complete, so a run killed while
-writing leaves the previous checkpoint loadable.
+A run directory's ``checkpoints/<step>/`` are written by orbax to a temporary directory and renamed when complete,
+so a run killed while writing leaves the previous checkpoint loadable. This module never reads ``run.json`` nor
+names a command: what it needs to know of the run (whether its checkpoints carry manifests, how a user continues
+it) comes from the run layer as ``RunHints`` (runs/rundir.py builds them from the run record).
 
-Reliability (issue 13):
-
-- ``run.lock``: a process training in a run directory holds an ``fcntl.flock`` on it (``run_lock``); a second run
-  there is refused. The kernel drops the lock when the process ends, however it ends: no stale lock.
 - ``checkpoints/<step>/mlx_llm_sha256.json``: the size and sha256 of every file of the step, written after orbax
   has finished it and checked before every restore. Orbax itself notices a truncated or missing array file but
   restores flipped bytes silently and rebuilds a deleted ``_METADATA`` from the target; the manifest catches all
   of these. A damaged checkpoint raises ``CheckpointError`` naming it and the previous intact one; nothing is
-  deleted. A step without a manifest in a run that writes them (its record says so, ``RunRecord.checksums``, or an
-  earlier step has one) is refused too, unless the caller trusts it (``--trust-unverified``); checkpoints of runs
-  written before manifests existed are restored unchecked.
-
-Goodput (issue 25):
-
+  deleted. A step without a manifest in a run that writes them (``RunHints.checksums``, or an earlier step has
+  one) is refused too, unless the caller trusts it (``--trust-unverified``); checkpoints of runs written before
+  manifests existed are restored unchecked.
 - Asynchronous saves (``asynchronous=True``, the training loop's): orbax copies the state to host memory and
   writes it in a background thread while training goes on. A manifest of the step's array files is written in
   orbax's temporary directory before orbax renames it into place, so no step appears without one; ``finish``
@@ -35,27 +27,25 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import errno
-import fcntl
 import hashlib
 import json
 import logging
 import os
 import shutil
-import socket
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable
 
 import jax
 import orbax.checkpoint as ocp
 
 from mlx_llm.config import write_json_atomic
 from mlx_llm.errors import CheckpointError
-from mlx_llm.runs.record import CHECKPOINT_DIR, CONFIG_FILE, open_run
 
+CHECKPOINT_DIR = "checkpoints"  # a run directory's checkpoints/<step>/
 MANIFEST_FILE = "mlx_llm_sha256.json"  # inside each checkpoints/<step>/
-LOCK_FILE = "run.lock"
 ORBAX_TMP = ".orbax-checkpoint-tmp"  # orbax writes checkpoints/<step>.orbax-checkpoint-tmp*, then renames it
 ORBAX_LATE_FILES = ("_CHECKPOINT_METADATA", "commit_success.txt")  # what orbax writes after its callback
 TRUST_FLAG = "--trust-unverified"
@@ -71,37 +61,41 @@ def trusting_unverified():
         yield
     finally:
         _TRUSTED.reset(token)
-COMMANDS = {"pretrain": "train"}  # the command that resumes a run of each kind (the others: the kind's name)
-
-
 class CheckpointWriteError(CheckpointError):
     """A checkpoint could not be written (a full disk, a failed write): the run stops there, its earlier
     checkpoints intact. The CLI exits with status 1."""
 
 
-def resume_command(run_dir: Path) -> str:
-    """The command that continues the run in ``run_dir`` (``mlx-llm train``, ``mlx-llm sft``, …)."""
-    try:
-        kind = open_run(run_dir).kind
-    except CheckpointError:
-        kind = "pretrain"
-    return f"mlx-llm {COMMANDS.get(kind, kind)} --out {run_dir} --resume"
+def _default_recovery(run_dir: Path, damaged: int, good: int) -> str:
+    return f"continue from it (checkpoint {good} of {run_dir})"
+
+
+@dataclasses.dataclass(frozen=True)
+class RunHints:
+    """What the run layer tells a run's checkpoints: whether every checkpoint carries a manifest (``checksums``,
+    the run record's), the command that continues the run (``resume``) and how to continue from an earlier
+    intact checkpoint ``good`` when ``damaged`` is damaged (``recover(run_dir, damaged, good)``)."""
+
+    checksums: bool = False
+    resume: str = "resume the run"
+    recover: Callable[[Path, int, int], str] = _default_recovery
 
 
 class Checkpoints:
     """Save / restore a state pytree every k steps in ``run_dir/checkpoints``; keeps the last ``keep``. Each saved
     step gets a checksum manifest; ``restore`` verifies it first. ``asynchronous``: orbax writes in the background
     (``save`` returns once the state is copied to host memory); ``trust_unverified``: restore a step that should
-    have a manifest but has none (``--trust-unverified``)."""
+    have a manifest but has none (``--trust-unverified``); ``hints``: what the run layer knows of the run
+    (``RunHints``)."""
 
     def __init__(self, run_dir: str | os.PathLike, keep: int = 2, *, asynchronous: bool = False,
-                 trust_unverified: bool | None = None):
+                 trust_unverified: bool | None = None, hints: RunHints = RunHints()):
         self.directory = Path(run_dir).absolute() / CHECKPOINT_DIR
+        self.hints = hints
         self.keep = keep
         self.trust_unverified = _TRUSTED.get() if trust_unverified is None else trust_unverified
         self._pending: tuple[int, int] | None = None  # (step, bytes) of the save orbax may still be writing
         self._writing: int | None = None  # the step orbax writes now (``_before_commit``)
-        self._checksums = _record_checksums(self.directory.parent)
         # orbax keeps every step: ``_prune`` removes old ones once the newest has its manifest
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None, create=True, enable_async_checkpointing=asynchronous,
@@ -182,7 +176,7 @@ class Checkpoints:
         self._manager.reload()
         earlier = [s for s in self.all_steps() if s < step]
         kept = f"checkpoint {earlier[-1]} is intact" if earlier else "no earlier checkpoint was written"
-        then = f"continue with `{resume_command(self.directory.parent)}`"
+        then = f"continue with `{self.hints.resume}`"
         if _disk_full(exc):
             free = shutil.disk_usage(self.directory).free if self.directory.exists() else 0
             return CheckpointWriteError(
@@ -209,7 +203,7 @@ class Checkpoints:
 
     def _expects_manifest(self, step: int) -> bool:
         """The run writes a manifest for every checkpoint: its record says so, or an earlier step has one."""
-        return self._checksums or any((self.step_dir(s) / MANIFEST_FILE).is_file()
+        return self.hints.checksums or any((self.step_dir(s) / MANIFEST_FILE).is_file()
                                       for s in self.all_steps() if s < step)
 
     def last_intact_before(self, step: int) -> int | None:
@@ -226,9 +220,7 @@ class Checkpoints:
         if good is None:
             then = "there is no earlier intact checkpoint to continue from"
         else:
-            then = (f"the previous intact checkpoint is step {good}: continue from it with `mlx-llm train --out {run} "
-                    f"--resume --from-step {good}`, or give `--step {good}` to eval / generate (a post-training "
-                    f"run: rename {self.step_dir(step).name} to {step}.corrupt and --resume)")
+            then = f"the previous intact checkpoint is step {good}: {self.hints.recover(run, step, good)}"
         if problem == UNVERIFIED:
             return CheckpointError(f"checkpoint {step} cannot be verified ({self.step_dir(step)}: {problem}); "
                                    f"nothing was deleted; pass {TRUST_FLAG} (every command that reads a "
@@ -283,16 +275,6 @@ class Checkpoints:
 
 UNVERIFIED = (f"it has no checksum manifest {MANIFEST_FILE}, though this run writes one for every checkpoint: it "
               f"was deleted, or the run stopped before writing it, so the files cannot be verified")
-
-
-def _record_checksums(run_dir: Path) -> bool:
-    """Whether the run's record says its checkpoints carry manifests (False without a readable record)."""
-    if not (run_dir / CONFIG_FILE).is_file():
-        return False
-    try:
-        return open_run(run_dir).record.checksums
-    except CheckpointError:
-        return False
 
 
 def _disk_full(exc: BaseException | None) -> bool:
@@ -354,102 +336,3 @@ def abstract_like(tree: Any) -> Any:
     """ShapeDtypeStructs (with shardings) of a pytree, the restore target orbax needs."""
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)),
                         tree)
-
-
-# ----- run directory checks ---------------------------------------------------------------------------------
-def check_run_dir(run_dir: Path, resume: bool) -> None:
-    """Never overwrite a run: a directory holding one needs ``resume``; any other non-empty one is refused; one
-    another process trains in (its lock held) is refused either way. Checks only: ``locked_run_dir`` holds."""
-    check_unlocked(run_dir)
-    _check_run_dir_contents(run_dir, resume)
-
-
-def _check_run_dir_contents(run_dir: Path, resume: bool) -> None:
-    has_run = (run_dir / CONFIG_FILE).is_file()
-    if resume and not has_run:
-        raise CheckpointError(f"--resume given but {str(run_dir)!r} holds no run (no {CONFIG_FILE}); drop --resume "
-                              f"to start a new run there")
-    if not resume and has_run:
-        raise CheckpointError(f"{str(run_dir)!r} already holds a run; pass --resume to continue it or choose "
-                              f"another --out")
-    if not resume and run_dir.exists() and any(p.name != LOCK_FILE for p in run_dir.iterdir()):
-        raise CheckpointError(f"{str(run_dir)!r} exists and is not empty; choose a new --out directory")
-
-
-@contextlib.contextmanager
-def locked_run_dir(run_dir: Path, resume: bool):
-    """Hold ``run_dir``'s lock for the rest of a run (``checkpoint.run_lock``; a new run's directory is created
-    here, just before its first file is written) and check its contents again under the lock: another run may
-    have started there since ``check_run_dir`` (of two new runs racing for one directory, the second finds the
-    first's lock or its run and is refused). In a multi-process run, process 0 holds it for all the processes."""
-    if jax.process_index() != 0:
-        yield
-        return
-    with run_lock(run_dir):
-        _check_run_dir_contents(run_dir, resume)
-        yield
-
-
-# ----- the run lock -------------------------------------------------------------------------------------------
-LOCK_WAIT_SECONDS = 0.25  # rides out another process's momentary probe (check_unlocked), never a real holder
-
-
-@contextlib.contextmanager
-def run_lock(run_dir: str | os.PathLike) -> Iterator[Path]:
-    """Hold ``run_dir``'s lock for a run's life, creating the directory if needed (a new run takes the lock as
-    it creates its directory). An ``fcntl.flock`` on ``run_dir/run.lock``: released when the block exits, on an
-    exception too, and by the kernel when the process ends however it ends, so a crash leaves no stale lock. A
-    second holder, in another process or this one, is refused with a CheckpointError naming the first one's pid
-    and host (written into the file). The file stays: deleting it would race with a process about to lock it."""
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        if not _flock(fd, fcntl.LOCK_EX, LOCK_WAIT_SECONDS):
-            raise CheckpointError(_locked_message(run_dir, fd))
-        holder = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
-        yield run_dir
-    finally:
-        os.close(fd)  # drops the lock
-
-
-def check_unlocked(run_dir: str | os.PathLike) -> None:
-    """Refuse at once a run directory whose lock another run holds, so a refused run fails before its slow
-    preparations. A probe: takes and drops a shared lock, creates and changes nothing (``run_lock`` holds). In a
-    multi-process run only process 0 checks: it may already hold the lock for all of them."""
-    if jax.process_index() != 0:
-        return
-    try:
-        fd = os.open(Path(run_dir) / LOCK_FILE, os.O_RDONLY)
-    except (FileNotFoundError, NotADirectoryError):
-        return
-    try:
-        if not _flock(fd, fcntl.LOCK_SH, 0.0):
-            raise CheckpointError(_locked_message(Path(run_dir), fd))
-    finally:
-        os.close(fd)
-
-
-def _flock(fd: int, kind: int, wait: float) -> bool:
-    deadline = time.monotonic() + wait
-    while True:
-        try:
-            fcntl.flock(fd, kind | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.02)
-
-
-def _locked_message(run_dir: Path, fd: int) -> str:
-    try:
-        holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
-        who = f" by pid {holder['pid']} on host {holder['host']} (since {holder['since']})"
-    except (OSError, ValueError, KeyError, TypeError):
-        who = ""
-    return (f"run directory {str(run_dir)!r} is locked{who}: another process is training in it "
-            f"({run_dir / LOCK_FILE}); "
-            f"wait for it to finish or stop it, or choose another --out")

@@ -8,18 +8,20 @@ source itself needs the parameters, as RL's rollouts do), the divergence check (
 after every step before it was checked finite, so a diverged run keeps its last good checkpoint), the
 evaluation and checkpoint cadence, ``max_seconds`` and the progress bar.
 
-Goodput (issue 25): checkpoints are written asynchronously (train/checkpoint.py), every ``checkpoint_interval``
+Goodput: checkpoints are written asynchronously (train/checkpoint.py), every ``checkpoint_interval``
 steps and, with ``--checkpoint-minutes M``, also once M minutes have passed since the last one. SIGTERM and SIGINT
 (Ctrl-C) stop the run at the next step boundary: the step in flight finishes, its metrics are written, a
 checkpoint is written at that step, and ``fit`` raises ``TrainingStopped`` naming the step and the command that
 continues the run (the CLI prints it and exits 0). A second signal interrupts at once (KeyboardInterrupt).
+
+The loop never reads ``run.json`` nor names a command: the run layer gives it a ``ResumePlan`` (what to restore)
+and a ``RunInfo`` (the checkpoint hints, the trackers' hyper-parameters).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import signal
 import threading
@@ -32,13 +34,12 @@ import numpy as np
 
 from mlx_llm.config import ModelConfig, TrainConfig
 from mlx_llm.errors import CheckpointError, MLXLLMError
-from mlx_llm.runs.record import RUN_FILE
 from mlx_llm.settings import write_text_atomic
 from mlx_llm.train import trackers as trackers_lib
 from mlx_llm.train import watch
-from mlx_llm.train.checkpoint import Checkpoints, abstract_like, resume_command
-from mlx_llm.train.metrics import (METRICS_FILE, TrainingDiverged, append_metrics, expert_load_metrics,
-                                   progress_bar, truncate_metrics)
+from mlx_llm.train.checkpoint import Checkpoints, RunHints, abstract_like
+from mlx_llm.train.metrics import (METRICS_FILE, TrainingDiverged, append_metrics, expert_load_metrics, progress_bar,
+                                   truncate_metrics)
 from mlx_llm.train.parallel import is_main_process, sync
 
 
@@ -72,6 +73,27 @@ class Job:
     flops_per_token: float | None = None
     readback_every_step: bool = False
     hlo_text: Callable[[], str] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumePlan:
+    """What a resumed run restores, chosen and checked by the run layer (runs/resume.py) before anything is
+    written; ``fit`` calls ``on_restored`` once the state is restored, before the first step (a resume records what
+    it changed there, so a resume whose checkpoint cannot be restored changes nothing in the run)."""
+
+    step: int | None  # the checkpoint to restore (None: none was written yet, the run starts over)
+    from_step: bool = False  # chosen with --from-step: the checkpoints after it are set aside, never deleted
+    schedule_steps: int | None = None  # the total the schedule is defined over (an extended run's first steps)
+    on_restored: Callable[[], None] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RunInfo:
+    """What the run layer tells the loop of its run: the checkpoints' hints (manifests, the resume command) and
+    the trackers' hyper-parameters."""
+
+    hints: RunHints = RunHints()
+    hparams: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -137,21 +159,21 @@ def any_process(flag: bool) -> bool:
     return bool(np.max(multihost_utils.process_allgather(np.int32(flag))))
 
 
-def restore(state, run_dir: Path, ckpts: Checkpoints, *, resume: bool, from_step: int | None, log) -> tuple:
-    """(state, last checkpoint step): the state restored on resume (the latest checkpoint, or ``from_step``,
-    the later ones set aside, never deleted), else as given."""
-    last = ckpts.latest_step() if from_step is None else from_step
-    if resume and last is not None:
-        state = ckpts.restore(abstract_like(state), last)
-        if from_step is not None:
-            for path in ckpts.set_aside_after(from_step) if is_main_process() else ():
-                log(f"set aside {path} (nothing deleted)")
-            sync("set aside")
-        log(f"resumed {run_dir} from step {last}")
+def restore(state, run_dir: Path, ckpts: Checkpoints, plan: ResumePlan | None, log) -> tuple:
+    """(state, last checkpoint step): the plan's checkpoint restored (the later ones set aside, never deleted, when
+    it was chosen with --from-step), else the state as given."""
+    if plan is None or plan.step is None:
+        return state, None
+    state = ckpts.restore(abstract_like(state), plan.step)
+    if plan.from_step:
+        for path in ckpts.set_aside_after(plan.step) if is_main_process() else ():
+            log(f"set aside {path} (nothing deleted)")
+        sync("set aside")
+    log(f"resumed {run_dir} from step {plan.step}")
     if int(state.data_step) != int(state.step):
-        raise CheckpointError(f"checkpoint {last} is inconsistent: data cursor {int(state.data_step)} != step "
+        raise CheckpointError(f"checkpoint {plan.step} is inconsistent: data cursor {int(state.data_step)} != step "
                               f"{int(state.step)}")
-    return state, last if resume else None
+    return state, plan.step
 
 
 def read_back(pending: list, cfg: ModelConfig, run_dir: Path, last_ckpt, watch_interval: int = 0) -> list[dict]:
@@ -221,18 +243,11 @@ class Profile:
             self.active = False
 
 
-def _hparams(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig) -> dict:
-    """The trackers' hyperparameters: the model and train configs and the run record (kind, data, settings)."""
-    record = json.loads((run_dir / RUN_FILE).read_text(encoding="utf-8")) if (run_dir / RUN_FILE).is_file() else {}
-    return {"model": cfg.to_dict(), "train": tcfg.to_dict(),
-            **{k: record[k] for k in ("kind", "data", "base", "lora", "settings") if record.get(k) is not None}}
-
-
-def open_trackers(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, options, resume: bool) -> trackers_lib.Trackers:
+def open_trackers(run_dir: Path, info: RunInfo, options, resume: bool) -> trackers_lib.Trackers:
     """The run's trackers (``options.tracker``), process 0's only: the others get the no-op tracker."""
     names = options.tracker if options is not None and is_main_process() else ()
-    return trackers_lib.Trackers.open(run_dir, names, config=_hparams(run_dir, cfg, tcfg) if names else {},
-                                      resume=resume, name=run_dir.name)
+    return trackers_lib.Trackers.open(run_dir, names, config=info.hparams if names else {}, resume=resume,
+                                      name=run_dir.name)
 
 
 def dump_hlo(run_dir: Path, job: Job, options) -> None:
@@ -243,26 +258,25 @@ def dump_hlo(run_dir: Path, job: Job, options) -> None:
     write_text_atomic(run_dir / HLO_DIR / "step.txt", job.hlo_text())
 
 
-def fit(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, job: Job, state, *, resume: bool, show_progress: bool,
-        log=print, from_step: int | None = None, max_seconds: float | None = None,
-        on_restored: Callable[[], None] | None = None, options=None) -> dict:
+def fit(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, job: Job, state, *, plan: ResumePlan | None = None,
+        info: RunInfo = RunInfo(), show_progress: bool, log=print, max_seconds: float | None = None,
+        options=None) -> dict:
     """Train ``state`` (placed on the mesh) to ``tcfg.steps`` with ``job`` in ``run_dir``; returns {"state",
-    "summary", "last" (the last step's row), "eval" (the last evaluation)}. ``max_seconds`` ends the run early
+    "summary", "last" (the last step's row), "eval" (the last evaluation)}. ``plan``: what a resumed run restores
+    (None: a new run); ``info``: what the run layer knows of the run. ``max_seconds`` ends the run early
     (evaluation and checkpoint included) after the step that reaches that much loop time: equal-time runs.
-    ``on_restored`` runs once the state is restored, before the first step: a resume records what it changed
-    there, so a resume whose checkpoint cannot be restored changes nothing in the run. ``options``
-    (``runs.configs.RunOptions``): trackers, the profiler, the HLO dump, time-based checkpoints and whether an
-    unverified checkpoint may be restored. SIGTERM / SIGINT raise ``TrainingStopped`` once the run's checkpoint at
-    the step boundary is written (the module docstring)."""
+    ``options`` (``runs.configs.RunOptions``): trackers, the profiler, the HLO dump, time-based checkpoints and
+    whether an unverified checkpoint may be restored. SIGTERM / SIGINT raise ``TrainingStopped`` once the run's
+    checkpoint at the step boundary is written (the module docstring)."""
     trust = bool(options is not None and options.trust_unverified)
-    ckpts = Checkpoints(run_dir, tcfg.keep_checkpoints, asynchronous=True, trust_unverified=trust)
+    ckpts = Checkpoints(run_dir, tcfg.keep_checkpoints, asynchronous=True, trust_unverified=trust, hints=info.hints)
     with StopSignals() as signals:
         try:
-            state, last_ckpt = restore(state, run_dir, ckpts, resume=resume, from_step=from_step, log=log)
-            if on_restored is not None:
-                on_restored()
+            state, last_ckpt = restore(state, run_dir, ckpts, plan, log)
+            if plan is not None and plan.on_restored is not None:
+                plan.on_restored()
             dump_hlo(run_dir, job, options)
-            with open_trackers(run_dir, cfg, tcfg, options, resume) as trackers:
+            with open_trackers(run_dir, info, options, plan is not None) as trackers:
                 profile = Profile(run_dir, options.profile_range() if options is not None else None)
                 try:
                     session = _Session(run_dir, cfg, tcfg, job, ckpts, trackers, profile, signals, last_ckpt)
@@ -371,7 +385,7 @@ class _Session:
         kept = (f"checkpoint {done} is in {self.ckpts.step_dir(done)}" if self.last_ckpt == done else
                 "no checkpoint was written yet")
         raise TrainingStopped(f"stopped by {name} at step {done} of {self.tcfg.steps}; {kept}; continue with "
-                              f"`{resume_command(self.run_dir)}`", name, done)
+                              f"`{self.ckpts.hints.resume}`", name, done)
 
     def _summary(self, state, steps_run: int, wall: float) -> dict:
         seconds, job = self.train_seconds, self.job

@@ -24,9 +24,7 @@ from optax.contrib import MuonDimensionNumbers, scale_by_muon
 
 from mlx_llm.errors import ConfigError
 from mlx_llm.layers import layout
-# The module, not its names: optim may import this module back (``make_optimizer(kind="muon")``), so its
-# functions are looked up when called, not at import.
-from mlx_llm.train import optim
+from mlx_llm.train import masks
 
 EXPERT_DIMS = ("X", "S")  # a leading routed / shared expert axis: one matrix per expert, orthogonalised alone
 STACK = "blocks"  # the subtree whose leaves are stacked over layers (DESIGN §1); Muon touches nothing outside it
@@ -38,8 +36,8 @@ def _leaf_dims(path, leaf) -> MuonDimensionNumbers | None:
     for the stacked layer axis 0, which with an expert axis stays a batch axis (optax orthogonalises every
     unnamed axis's slices independently). None (AdamW) for anything that is not a layer's matmul weight of
     its declared stacked rank: tops, heads, gains, elementwise and routing-state leaves, LoRA factors."""
-    keys = tuple(optim._key_name(e) for e in path)
-    info = optim._declared(keys)
+    keys = tuple(masks.key_name(e) for e in path)
+    info = masks.declared(keys)
     if STACK not in keys or info.role != "matmul" or len(info.dims) < 2:
         return None
     if keys[-1] not in layout.entries() or getattr(leaf, "ndim", None) != len(info.dims) + 1:
@@ -124,9 +122,9 @@ def muon_update(learning_rate: float | Callable, *, b1: float = 0.9, b2: float =
         scale_by_muon(ns_steps=ns_steps, beta=beta, eps=eps, nesterov=True,
                       weight_dimension_numbers=muon_dimension_numbers),
         scale_by_shape(consistent_rms),
-        optax.add_decayed_weights(weight_decay, mask=optim.decay_mask),
+        optax.add_decayed_weights(weight_decay, mask=masks.decay_mask),
         optax.scale_by_learning_rate(learning_rate))
-    rest = optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=optim.decay_mask)
+    rest = optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=masks.decay_mask)
     return optax.transforms.partition({"muon": matrices, "adam": rest}, _labels)
 
 
@@ -140,5 +138,5 @@ def make_muon(learning_rate: float | Callable, *, b1: float = 0.9, b2: float = 0
     groups = muon_update(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, beta=beta,
                          ns_steps=ns_steps, consistent_rms=consistent_rms)
     if clip_norm is None:
-        return optim.exclude_routing_state(groups)
-    return optim.exclude_routing_state(optax.chain(optax.clip_by_global_norm(clip_norm), groups))
+        return masks.exclude_routing_state(groups)
+    return masks.exclude_routing_state(optax.chain(optax.clip_by_global_norm(clip_norm), groups))

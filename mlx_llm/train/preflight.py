@@ -25,7 +25,7 @@ from mlx_llm.kernels import backend_platform
 from mlx_llm.kernels.ssm_scan import resolve_ssm_scan
 from mlx_llm.scaling.accounting import train_flops_per_token
 from mlx_llm.train.parallel import batch_devices, check_batch_divisible, make_mesh
-from mlx_llm.train.step import abstract_step_args, compiled_train_step
+from mlx_llm.train.step import abstract_state, compile_lm_step, compile_update, make_update, optimizer_for, placed_like
 
 GiB = 2**30
 # Per-device HBM that XLA's TPU compiler reports as available (its CompileTimeHbmOom message), and whether
@@ -92,20 +92,27 @@ def resolve_target(name: str) -> Target:
     raise ConfigError(f"unknown target {name!r}: valid targets are {valid_targets()}")
 
 
-def compile_step(cfg: ModelConfig, tcfg: TrainConfig, target: str | Target = "local", *, lora_cfg=None,
-                 mask_id: int | None = None) -> dict:
-    """Compile the run's jitted train step for ``target`` from abstract shapes and report it (one dict: the
-    keys of ``mlx-llm compile --json``). Nothing is allocated on any device."""
+def compile_step(cfg: ModelConfig, tcfg: TrainConfig, target: str | Target = "local", *, trainable=None,
+                 frozen=None, model_of=None, mask_id: int | None = None) -> dict:
+    """Compile the run's language-model step for ``target`` from abstract shapes and report it (one dict: the
+    keys of ``mlx-llm compile --json``). Nothing is allocated on any device. ``trainable``, ``frozen``,
+    ``model_of``: a part trained beside a frozen model (``train.step.compile_lm_step``)."""
+    return _compile(cfg, tcfg, target, trainable, frozen, model_of, mask_id)[0]
+
+
+def _compile(cfg: ModelConfig, tcfg: TrainConfig, target, trainable, frozen, model_of, mask_id) -> tuple:
+    """(``compile_step``'s report, the compiled step, or None when XLA refused it)."""
     target = resolve_target(target) if isinstance(target, str) else target
     kernels = tcfg.kernels(target.platform, resolve=True)  # refuses a kernel the target cannot run
     mesh = make_mesh(tcfg.mesh, target.devices)
     check_batch_divisible(tcfg.batch_size, tcfg.grad_accum, mesh)
     if tcfg.objective == "diffusion" and mask_id is None:
         mask_id = cfg.vocab_size - 1  # any valid id: the shapes are what is compiled
-    compiled = compile_or_explain(lambda: compiled_train_step(cfg, tcfg, mesh, mask_id, lora_cfg))
+    compiled = compile_or_explain(lambda: compile_lm_step(cfg, tcfg, mesh, mask_id, trainable=trainable,
+                                                          frozen=frozen, model_of=model_of))
     out = report(cfg, tcfg, target, mesh, compiled, kernels)
-    out["state_bytes_per_device"] = state_bytes_per_device(abstract_step_args(cfg, tcfg, mesh, lora_cfg)[0])
-    return out
+    out["state_bytes_per_device"] = state_bytes_per_device(placed_like(abstract_state(cfg, tcfg, trainable), mesh))
+    return out, None if isinstance(compiled, _Refused) else compiled
 
 
 def state_bytes_per_device(state) -> int:
@@ -197,7 +204,7 @@ def advice(out: dict) -> str:
 
 def check_compiled_fits(compiled, what: str) -> None:
     """Refuse (``ConfigError``, one line) a compiled step whose memory exceeds a local device's: the pre-flight of
-    the runs whose step is not ``train.step``'s (reward, DPO, RL: post/loop.py)."""
+    the runs whose step is not the language model's (reward, DPO, RL: post/)."""
     mem, target = compiled.memory_analysis(), local_target()
     total = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
     if total > target.hbm_bytes_per_device:
@@ -207,13 +214,30 @@ def check_compiled_fits(compiled, what: str) -> None:
                           f"--batch-size")
 
 
-def check_fits(cfg: ModelConfig, tcfg: TrainConfig, *, lora_cfg=None, mask_id=None) -> dict:
-    """``compile_step`` on the local devices; a step that cannot fit is refused (``ConfigError``) before any
-    work, with the numbers and the knobs that help."""
-    out = compile_step(cfg, tcfg, "local", lora_cfg=lora_cfg, mask_id=mask_id)
+def compiled_update(cfg: ModelConfig, tcfg: TrainConfig, objective, trainable, frozen, example_batch, *,
+                    offsets=None, count_name: str = "pairs", epochs: int = 1, minibatches: int = 1):
+    """A run's update (``train.step.make_update`` of ``objective``) compiled on the mesh of ``tcfg`` by the one
+    compile path (``train.step.compile_update``) and checked against the devices' memory before the run writes
+    anything: a step that cannot fit is refused in one line. ``example_batch``: one batch as the batch source
+    gives it; ``epochs`` × ``minibatches``: the optimizer updates of one step (PPO's passes over a rollout)."""
+    mesh = make_mesh(tcfg.mesh)
+    rows = jax.tree.leaves(example_batch)[0].shape[0]  # pairs, or RL's prompts × replies
+    check_batch_divisible(rows // minibatches, tcfg.grad_accum, mesh)
+    update = make_update(objective, tcfg, optimizer_for(tcfg, epochs * minibatches), offsets=offsets,
+                         count_name=count_name, epochs=epochs, minibatches=minibatches, n_layers=cfg.n_layers)
+    compiled = compile_update(update, abstract_state(cfg, tcfg, trainable), frozen, example_batch, mesh)
+    check_compiled_fits(compiled, "update")
+    return compiled
+
+
+def check_fits(cfg: ModelConfig, tcfg: TrainConfig, *, trainable=None, frozen=None, model_of=None, mask_id=None):
+    """The run's language-model step compiled on the local devices (``compile_step``), for the training loop to
+    run; a step that cannot fit is refused (``ConfigError``) before any work, with the numbers and the knobs that
+    help."""
+    out, compiled = _compile(cfg, tcfg, "local", trainable, frozen, model_of, mask_id)
     if not out["fits"]:
         raise ConfigError(advice(out))
-    return out
+    return compiled
 
 
 def format_report(out: dict) -> str:

@@ -24,10 +24,9 @@ from mlx_llm.objectives import diffusion
 from mlx_llm.objectives.loss import bits_per_byte, perplexity
 from mlx_llm.model import hidden_states, init_params, logits_from_hidden, nll_from_hidden, resolved
 from mlx_llm.layers.moe import apply_offset_rule
-from mlx_llm.post import lora as lora_lib
 from mlx_llm.train import watch
-from mlx_llm.train.optim import (SpikeState, make_optimizer, strip_routing_state, warmup_cosine,
-                                  warmup_stable_decay)
+from mlx_llm.train.optim import SpikeState, make_optimizer, warmup_cosine, warmup_stable_decay
+from mlx_llm.train.masks import strip_routing_state
 from mlx_llm.train.parallel import batch_sharding, global_batch, local_rows, replicated, tree_shardings
 
 BATCH_KEYS = ("tokens", "targets", "mask", "segment_ids", "positions")
@@ -53,6 +52,17 @@ def schedule_for(tcfg: TrainConfig):
         return warmup_stable_decay(tcfg.lr, tcfg.warmup_steps, tcfg.steps, tcfg.decay_fraction,
                                    tcfg.final_lr_fraction, tcfg.decay_shape)
     return warmup_cosine(tcfg.lr, tcfg.warmup_steps, tcfg.steps, tcfg.final_lr_fraction)
+
+
+def schedule_config(tcfg: TrainConfig, schedule_steps: int | None = None) -> TrainConfig:
+    """``tcfg`` as the optimizer sees it: the warmup-cosine is defined over ``schedule_steps``, an extended run's
+    original total, not over its new ``steps``. The extension rule: the steps a run has taken keep their lr, and
+    the steps an extension adds run at the final lr, peak·final_lr_fraction, which is what ``warmup_cosine``
+    gives after its end. No step of the extension re-raises the lr the run has annealed (a re-warm would undo
+    part of the anneal), and the optimizer state is the same structure, so it restores as is."""
+    if schedule_steps is None or schedule_steps == tcfg.steps:
+        return tcfg
+    return dataclasses.replace(tcfg, steps=schedule_steps)
 
 
 def optimizer_for(tcfg: TrainConfig, updates_per_step: int = 1) -> optax.GradientTransformation:
@@ -135,16 +145,17 @@ def summed_loss(params, batch, cfg: ModelConfig, compute_dtype) -> tuple[jax.Arr
     return loss_sum, n
 
 
-def lm_objective(cfg: ModelConfig, tcfg: TrainConfig, mask_id: int | None = None, lora_cfg=None,
-                 platform: str | None = None) -> Callable:
+def lm_objective(cfg: ModelConfig, tcfg: TrainConfig, mask_id: int | None = None, platform: str | None = None,
+                 model_of: Callable | None = None) -> Callable:
     """The language-model objective in the loop's form (``make_update``): (trainable, frozen, micro-batch, key) →
-    (Σ loss, (count, expert load, {})). Without LoRA the trainable tree is the model and ``frozen`` is None; with
-    ``lora_cfg`` it is the adapters and ``frozen`` the base: W = W₀ + (α/r)·A·B, so the base is never
-    differentiated and the optimizer sees only A and B."""
+    (Σ loss, (count, expert load, {})). The trainable tree is the model and ``frozen`` is None, unless
+    ``model_of(trainable, frozen)`` builds the model from them (adapters beside a frozen base, lora.py): the loss
+    is then a function of the trainable part alone, so the frozen part is never differentiated and the optimizer
+    sees only what is trained."""
     objective = objective_fn(cfg, tcfg, jnp.dtype(tcfg.compute_dtype), mask_id, platform)
 
     def fn(trainable, frozen, mb, key):
-        params = trainable if lora_cfg is None else lora_lib.adapted(frozen, trainable, lora_cfg)
+        params = trainable if model_of is None else model_of(trainable, frozen)
         loss_sum, (n, aux) = objective(params, mb, key)
         if tcfg.z_loss:
             load, z_sum = aux
@@ -268,78 +279,79 @@ def _watched(watching, params, grads, updates, n_layers: int) -> dict:
     return jax.lax.cond(watching, stats, lambda: jax.tree.map(jnp.zeros_like, jax.eval_shape(stats)))
 
 
+def lm_update(cfg: ModelConfig, tcfg: TrainConfig, optimizer: optax.GradientTransformation,
+              mask_id: int | None = None, platform: str | None = None, model_of: Callable | None = None) -> Callable:
+    """The language-model step (``make_update`` of ``lm_objective``): (state, batch, frozen) → (state, metrics);
+    not jitted here (``compile_update``). The MoE offsets follow the control rule unless ``model_of`` trains a
+    part beside a frozen model (which keeps its offsets). ``platform`` ("cpu", "gpu", "tpu") resolves the "auto"
+    execution paths (default: the default backend)."""
+    return make_update(lm_objective(cfg, tcfg, mask_id, platform, model_of), tcfg, optimizer,
+                       offsets=moe_offsets(cfg) if model_of is None else None, n_layers=cfg.n_layers)
+
+
 def make_train_step(cfg: ModelConfig, tcfg: TrainConfig, optimizer: optax.GradientTransformation,
-                    mask_id: int | None = None, lora_cfg=None, platform: str | None = None) -> Callable:
-    """The language-model step (``make_update`` of ``lm_objective``): (state, batch) → (state, metrics), or with
-    ``lora_cfg`` (state, batch, base) → (state, metrics); not jitted here (see ``jit_train_step``). The MoE
-    offsets follow the control rule unless LoRA freezes them with the base. ``platform`` ("cpu", "gpu", "tpu")
-    resolves the "auto" execution paths (default: the default backend)."""
-    update = make_update(lm_objective(cfg, tcfg, mask_id, lora_cfg, platform), tcfg, optimizer,
-                         offsets=moe_offsets(cfg) if lora_cfg is None else None, n_layers=cfg.n_layers)
-    if lora_cfg is None:
-        return lambda state, batch: update(state, batch, None)
-    return update
+                    mask_id: int | None = None, platform: str | None = None) -> Callable:
+    """The language-model step of a whole model: (state, batch) → (state, metrics); not jitted here."""
+    update = lm_update(cfg, tcfg, optimizer, mask_id, platform)
+    return lambda state, batch: update(state, batch, None)
 
 
-def abstract_state(cfg: ModelConfig, tcfg: TrainConfig, lora_cfg=None) -> TrainState:
-    """Shapes and dtypes of the run's TrainState (its trainable params: the model, or LoRA adapters)."""
-
-    def build():
-        params = None
-        if lora_cfg is not None:
-            params = lora_lib.init(init_params(cfg, jax.random.key(0)), lora_cfg, jax.random.key(0))
-        return init_state(cfg, tcfg, optimizer_for(tcfg), params)
-
-    return jax.eval_shape(build)
-
-
-def state_shardings(cfg: ModelConfig, tcfg: TrainConfig, mesh, lora_cfg=None) -> TrainState:
-    """Where every array of the TrainState lives on ``mesh`` (train/parallel.py's one rule)."""
-    return tree_shardings(abstract_state(cfg, tcfg, lora_cfg), mesh)
+def abstract_state(cfg: ModelConfig, tcfg: TrainConfig, trainable=None) -> TrainState:
+    """Shapes and dtypes of a run's TrainState over ``trainable`` (default: a fresh model); nothing allocated."""
+    return jax.eval_shape(lambda: init_state(cfg, tcfg, optimizer_for(tcfg), trainable))
 
 
 def place_state(state: TrainState, mesh) -> TrainState:
     return jax.device_put(state, tree_shardings(state, mesh))
 
 
-@functools.lru_cache(maxsize=8)
-def jit_train_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, mask_id: int | None = None, lora_cfg=None) -> Callable:
-    """The jitted step: the state sharded by ``parallel.param_spec`` (replicated on a data-only mesh) and
-    donated, the batch split over the mesh's batch axes, and for LoRA the frozen base, sharded by the same rule,
-    as a third argument.
-
-    Cached on the (hashable) configs and mesh, so a resumed or repeated run in one process compiles once.
-    """
-    state_sh, batch_sh = state_shardings(cfg, tcfg, mesh, lora_cfg), batch_sharding(mesh)
-    base_sh = (tree_shardings(jax.eval_shape(lambda: init_params(cfg, jax.random.key(0))), mesh),)
-    shardings = (state_sh, batch_sh) + (base_sh if lora_cfg is not None else ())
-    step = on_mesh(make_train_step(cfg, tcfg, optimizer_for(tcfg), mask_id, lora_cfg, mesh_platform(mesh)), mesh)
-    return jax.jit(step, in_shardings=shardings, out_shardings=(state_sh, replicated(mesh)), donate_argnums=0)
-
-
-def abstract_step_args(cfg: ModelConfig, tcfg: TrainConfig, mesh, lora_cfg=None) -> tuple:
-    """ShapeDtypeStructs (with their shardings) of the train step's arguments: state, batch (and the frozen base
-    for LoRA). Nothing is allocated."""
-    def placed(tree, shardings):
-        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
-
-    state = placed(abstract_state(cfg, tcfg, lora_cfg), state_shardings(cfg, tcfg, mesh, lora_cfg))
+def abstract_batch(tcfg: TrainConfig) -> dict:
+    """Shapes and dtypes of a language-model batch of ``tcfg``'s size."""
     kinds = {"tokens": jnp.int32, "targets": jnp.int32, "mask": jnp.float32, "segment_ids": jnp.int32,
              "positions": jnp.int32}
-    batch = {k: jax.ShapeDtypeStruct((tcfg.batch_size, tcfg.seq_len), d, sharding=batch_sharding(mesh))
-             for k, d in kinds.items()}
-    if lora_cfg is None:
-        return state, batch
-    base = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
-    return state, batch, placed(base, tree_shardings(base, mesh))
+    return {k: jax.ShapeDtypeStruct((tcfg.batch_size, tcfg.seq_len), d) for k, d in kinds.items()}
+
+
+def jit_update(update: Callable, state, frozen, mesh) -> Callable:
+    """``update`` (state, batch, frozen) → (state, metrics) jitted on ``mesh``: the state and the frozen tree
+    sharded by ``parallel.param_spec`` (replicated on a data-only mesh), the batch split over the mesh's batch
+    axes, the state donated. ``state`` and ``frozen``: the trees (arrays or ShapeDtypeStructs) it will get."""
+    state_sh, frozen_sh = tree_shardings(state, mesh), tree_shardings(frozen, mesh)
+    return jax.jit(on_mesh(update, mesh), in_shardings=(state_sh, batch_sharding(mesh), frozen_sh),
+                   out_shardings=(state_sh, replicated(mesh)), donate_argnums=0)
+
+
+def placed_like(tree, mesh, sharding=None):
+    """ShapeDtypeStructs of ``tree`` (arrays, numpy arrays or ShapeDtypeStructs) with their shardings on
+    ``mesh`` (``sharding`` for every leaf, else ``parallel.param_spec``'s)."""
+    shardings = tree_shardings(tree, mesh) if sharding is None else jax.tree.map(lambda _: sharding, tree)
+    return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), tree, shardings)
+
+
+def compile_update(update: Callable, state, frozen, batch, mesh):
+    """The one way every run kind compiles its step: ``jit_update`` lowered and compiled ahead of time from the
+    shapes of ``state``, ``frozen`` and one ``batch`` (as the batch source gives it), so its memory can be read
+    before a run writes anything (train/preflight.py) and the loop runs this same executable (one compile)."""
+    jitted = jit_update(update, state, frozen, mesh)
+    return jitted.lower(placed_like(state, mesh), placed_like(batch, mesh, batch_sharding(mesh)),
+                        placed_like(frozen, mesh)).compile()
+
+
+def compile_lm_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, mask_id: int | None = None, *, trainable=None,
+                    frozen=None, model_of: Callable | None = None):
+    """The language-model step of ``tcfg`` compiled on ``mesh`` (``compile_update``): over a fresh model, or
+    over ``trainable`` beside ``frozen`` (``model_of``: see ``lm_objective``)."""
+    update = lm_update(cfg, tcfg, optimizer_for(tcfg), mask_id, mesh_platform(mesh), model_of)
+    return compile_update(update, abstract_state(cfg, tcfg, trainable), frozen, abstract_batch(tcfg), mesh)
 
 
 @functools.lru_cache(maxsize=8)
-def compiled_train_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, mask_id: int | None = None, lora_cfg=None):
-    """``jit_train_step`` compiled ahead of time from ``abstract_step_args``: the pre-flight check
-    (train/preflight.py) reads its memory, and the training loop runs the same executable (one compile)."""
-    args = abstract_step_args(cfg, tcfg, mesh, lora_cfg)
-    return jit_train_step(cfg, tcfg, mesh, mask_id, lora_cfg).lower(*args).compile()
+def jit_train_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, mask_id: int | None = None) -> Callable:
+    """The jitted whole-model step, (state, batch) → (state, metrics) (``jit_update`` of ``lm_update``).
+    Cached on the (hashable) configs and mesh, so a repeated call in one process compiles once."""
+    update = lm_update(cfg, tcfg, optimizer_for(tcfg), mask_id, mesh_platform(mesh))
+    jitted = jit_update(update, abstract_state(cfg, tcfg), None, mesh)
+    return lambda state, batch: jitted(state, batch, None)
 
 
 def mesh_platform(mesh) -> str:

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mlx_llm.train.optim import ROUTING_STATE_KEYS
+from mlx_llm.train.masks import ROUTING_STATE_KEYS
 
 
 def _accumulator(x) -> jax.Array:

@@ -15,7 +15,7 @@ Roles: which special token plays BOS, EOS and PAD (``Tokenizer.roles``). Ours ar
 ``<|pad|>``; an imported model's tokenizer names its own (Llama 3: ``<|begin_of_text|>`` …; Qwen: no BOS at all).
 EOS is required; without a BOS role ``bos_id`` is None and nothing is prepended (``bos_prefix`` is empty);
 without a PAD role ``pad_id`` is the EOS id (padding is never a target). A tokenizer may also carry a model's
-Jinja ``chat_template`` (post/templates.py). Both are saved in the tokenizer file and covered by the
+Jinja ``chat_template`` (data/templates.py). Both are saved in the tokenizer file and covered by the
 fingerprint; a tokenizer with our roles and no chat template is saved exactly as before (same fingerprint).
 """
 
@@ -89,7 +89,7 @@ class Tokenizer(abc.ABC):
 
     special_tokens: tuple[str, ...]
     roles: dict[str, str]  # "bos" / "eos" / "pad" → the special token playing it ("eos" always present)
-    chat_template: str | None = None  # a model's Jinja chat template (post/templates.py), or None
+    chat_template: str | None = None  # a model's Jinja chat template (data/templates.py), or None
     origin: str | None = None  # the file ``load`` read (for messages); not saved
     external = False  # True for IdTokenizer: the ids come from a tokenizer this run does not have
 
@@ -273,7 +273,7 @@ class ByteTokenizer(Tokenizer):
 
 
 class IdTokenizer(Tokenizer):
-    """The tokenizer of a run trained on token ids (pre-tokenized shards, train/tokens.py) whose real tokenizer is
+    """The tokenizer of a run trained on token ids (pre-tokenized shards, data/tokens.py) whose real tokenizer is
     external: V ids and nothing else — no special tokens, no BOS/EOS/PAD role, no byte lengths (so no bits per
     byte). Its "text" is the ids in decimal: ``encode("464 3290")`` → [464, 3290] (spaces or commas between
     ids; each checked < V) and ``decode`` writes each id as " <id>", so ``mlx-llm generate`` on such a run takes

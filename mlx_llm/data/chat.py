@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from mlx_llm.errors import DataError, InputError
-from mlx_llm.train.tokenizer import BOS, CHAT_MARKERS, Tokenizer
+from mlx_llm.data.tokenizer import BOS, CHAT_MARKERS, Tokenizer
 
 ROLES = ("system", "user", "assistant")
 VALID_ORDER = ("valid conversations are an optional first system message, then user and assistant turns alternating, "

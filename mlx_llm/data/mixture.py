@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from mlx_llm.errors import ConfigError
-from mlx_llm.train.data import check_window_fits
+from mlx_llm.data.packing import check_window_fits
 
 NAME_RE = re.compile(r"[A-Za-z0-9_.-]+")
 

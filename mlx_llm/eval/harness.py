@@ -8,7 +8,7 @@ How to run it:
 - ``mlx-llm eval --run DIR --lm-eval TASK[,TASK] [--lm-eval-include DIR] [--limit N] [--num-fewshot K]`` prints
   the harness's table and writes its results JSON to ``DIR/lm_eval/<step>-<tasks>.json`` (``evaluate_run``,
   ``write_results``); an unknown task name is refused before anything is loaded or written.
-- ``python -m mlx_llm.runs.harness --model mlx_llm --model_args run=DIR[,step=N,batch_size=B] --tasks T …``:
+- ``python -m mlx_llm.eval.harness --model mlx_llm --model_args run=DIR[,step=N,batch_size=B] --tasks T …``:
   lm_eval 0.4.13 finds models only in its own registry (its ``lm_eval.models`` table; it loads no entry points
   of other packages), so a bare ``lm_eval --model mlx_llm`` cannot see this class. This module registers it and
   then runs lm_eval's own command line with the remaining arguments; in Python, importing this module is enough
@@ -75,10 +75,10 @@ except ImportError:
 
 from mlx_llm.decode.generate import generate
 from mlx_llm.model import forward, resolved
-from mlx_llm.objectives.loss import token_nll
+from mlx_llm.ops import token_nll
 from mlx_llm.runs.load import as_run, checkpoint_step, load_params
 from mlx_llm.settings import write_text_atomic
-from mlx_llm.train import tokenizer as tok_lib
+from mlx_llm.data import tokenizer as tok_lib
 
 NAME = "mlx_llm"  # lm_eval --model mlx_llm
 MIN_WIDTH = 16  # the narrowest static width of a scoring batch
@@ -92,7 +92,7 @@ TRUNCATION = ("a request keeps its last max_seq_len + 1 tokens (the context lose
 
 # Registered by its import path: a lazy entry that lm_eval resolves on first use, the same entry however often
 # this module is imported (also as ``python -m``), so registering twice is never a collision.
-model_registry.register(NAME, target="mlx_llm.runs.harness:MLXLM")
+model_registry.register(NAME, target="mlx_llm.eval.harness:MLXLM")
 
 
 # ----- requests → token sequences ------------------------------------------------------------------------------
@@ -418,7 +418,7 @@ def table(results: dict) -> str:
 
 
 def main(argv=None) -> None:
-    """``python -m mlx_llm.runs.harness <lm_eval arguments>``: lm_eval's command line, this model registered."""
+    """``python -m mlx_llm.eval.harness <lm_eval arguments>``: lm_eval's command line, this model registered."""
     from lm_eval.__main__ import cli_evaluate
 
     if argv is not None:

@@ -46,7 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from mlx_llm.errors import ConfigError
-from mlx_llm.train.data import DEFAULT_VAL_PERCENT, Document, read_corpus, val_score
+from mlx_llm.data.text import DEFAULT_VAL_PERCENT, Document, read_corpus, val_score
 
 TASKS = ("arithmetic", "addition2", "name_function")
 SPLITS = ("train", "heldout")

@@ -1,4 +1,4 @@
-"""Reading a text corpus: files → documents, split train/val by document name (M20 §2); train/data.py encodes them.
+"""Reading a text corpus: files → documents, split train/val by document name (M20 §2); data/encoding.py encodes them.
 
 Decisions (each one tested in tests/test_data.py and tests/test_sources.py):
 
@@ -8,7 +8,7 @@ Decisions (each one tested in tests/test_data.py and tests/test_sources.py):
   data). Directory walks skip dot-directories (``.git``, ``.venv``) and follow no symlinked directories.
 - Sources: a text file is one document (its relative POSIX path is its name); a record file (``*.jsonl``,
   ``*.jsonl.gz``, ``*.parquet``) or a directory saved by ``datasets.save_to_disk`` holds one document per record,
-  the string in its ``text_field`` (train/sources.py reads them). A directory walk takes text files by extension
+  the string in its ``text_field`` (data/sources.py reads them). A directory walk takes text files by extension
   and record files and saved datasets whatever the extensions.
 - Sources are sorted by their relative POSIX path. A document goes to val when
   ``int(sha256(name)[:8], 16) % 10000 < 100 * val_percent`` (stable across machines and Python runs). If that
@@ -41,7 +41,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from mlx_llm.errors import ConfigError, DataError
-from mlx_llm.train import sources as sources_lib
+from mlx_llm.data import sources as sources_lib
 
 log = logging.getLogger(__name__)
 

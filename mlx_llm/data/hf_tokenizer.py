@@ -27,7 +27,7 @@ special. The post-processor is kept: Llama 3's adds ``<|begin_of_text|>``, so ``
 has no BOS, so ``tokenizer(text)`` = our ``encode(text)``. The chat template is ``chat_template.jinja`` when the
 directory has one (as transformers reads it), else tokenizer_config.json's ``chat_template`` (a string, or the
 list of named templates: the one named "default"); it is compiled, and refused in one line naming the file for a
-syntax error or an operation the sandbox forbids (post/templates.py).
+syntax error or an operation the sandbox forbids (data/templates.py).
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ import json
 from pathlib import Path
 
 from mlx_llm.errors import ConfigError, DataError, InputError
-from mlx_llm.post.chat import ChatTemplate
-from mlx_llm.post.templates import JinjaTemplate
-from mlx_llm.train import tokenizer as tok_lib
+from mlx_llm.data.chat import ChatTemplate
+from mlx_llm.data.templates import JinjaTemplate
+from mlx_llm.data import tokenizer as tok_lib
 
 TOKENIZER_FILE, TOKENIZER_CONFIG_FILE = "tokenizer.json", "tokenizer_config.json"
 CHAT_TEMPLATE_FILE, HF_CONFIG_FILE = "chat_template.jinja", "config.json"

@@ -23,15 +23,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mlx_llm.config import DEFAULT_LORA_TARGETS, LoRAConfig  # noqa: F401 (the adapters' config)
 from mlx_llm.errors import ConfigError
 from mlx_llm.layers import layout
-from mlx_llm.runs.configs import DEFAULT_TARGETS, LoRAConfig  # noqa: F401 (re-exported: the adapters' config)
 
 # target → number of leading (input) axes of the per-layer weight; the rest are output axes (the ``lora_in``
 # of each declaration in ``layers.layout``: wq wk wv wo, w_gate w_up w_down, in_x in_z out_proj)
 TARGETS = layout.lora_targets()
-
-
 def _groups(blocks):
     return blocks if isinstance(blocks, list) else [blocks]
 
@@ -83,6 +81,12 @@ def adapted(base, adapters, lora: LoRAConfig):
             group[t] = w + delta(f["A"], f["B"], lora.scale).reshape(w.shape).astype(w.dtype)
         new_groups.append(group)
     return {**base, "blocks": new_groups if isinstance(base["blocks"], list) else new_groups[0]}
+
+
+def model_of(lora: LoRAConfig):
+    """(adapters, base) → the parameters the forward uses (``adapted``): LoRA as a trainability filter of a loss
+    (``train.step.lm_objective``'s ``model_of``), so the step and the loop never hear of adapters."""
+    return lambda adapters, base: adapted(base, adapters, lora)
 
 
 def merge(base, adapters, lora: LoRAConfig):

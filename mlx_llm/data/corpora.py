@@ -1,5 +1,5 @@
-"""A run's data, whatever ``--data`` names: text (train/text.py, train/data.py), token ids (train/tokens.py) or a
-weighted mixture of either (train/mixture.py). ``open_data`` returns the tokenizer at once and the corpus
+"""A run's data, whatever ``--data`` names: text (data/text.py, data/encoding.py), token ids (data/tokens.py) or a
+weighted mixture of either (data/mixture.py). ``open_data`` returns the tokenizer at once and the corpus
 later, so a run checks its configs against the tokenizer before it spends time encoding."""
 
 from __future__ import annotations
@@ -12,11 +12,13 @@ from typing import Callable
 import numpy as np
 
 from mlx_llm.errors import ConfigError
-from mlx_llm.interop.hf_tokenizer import from_hf
-from mlx_llm.train import data as data_lib
-from mlx_llm.train import tokenizer as tok_lib
-from mlx_llm.train.mixture import MixtureCorpus
-from mlx_llm.train.tokens import is_token_source, read_token_source
+from mlx_llm.data.hf_tokenizer import from_hf
+from mlx_llm.data import text as text_lib
+from mlx_llm.data import encoding as encoding_lib
+from mlx_llm.data import packing as packing_lib
+from mlx_llm.data import tokenizer as tok_lib
+from mlx_llm.data.mixture import MixtureCorpus
+from mlx_llm.data.tokens import is_token_source, read_token_source
 
 
 @dataclasses.dataclass
@@ -25,11 +27,11 @@ class Data:
     build: Callable[..., object]  # build(cache_dir, progress=False) → the corpus (encodes text on a cache miss)
 
 
-def token_corpus(path, tok: tok_lib.Tokenizer, val_percent: float) -> data_lib.Corpus:
+def token_corpus(path, tok: tok_lib.Tokenizer, val_percent: float) -> packing_lib.Corpus:
     """A ``data.Corpus`` over token files: memmaps, nothing encoded or cached."""
     train, val, stats = read_token_source(path, tok.vocab_size, val_percent)
     empty = np.zeros((0,), np.int64)
-    return data_lib.Corpus(data_lib.TokenSplit(train, empty), data_lib.TokenSplit(val, empty), tok, stats,
+    return packing_lib.Corpus(packing_lib.TokenSplit(train, empty), packing_lib.TokenSplit(val, empty), tok, stats,
                            cache_path=None, cache_hit=True, encode_seconds=0.0)
 
 
@@ -57,20 +59,20 @@ def open_data(run_dir: Path, spec, objective: str = "ar") -> Data:
             return Data(tok, lambda cache_dir=None, progress=False: token_corpus(spec.path, tok, spec.val_percent))
         return Data(tok, lambda cache_dir=None, progress=False: MixtureCorpus(
             spec.sources, [token_corpus(s.path, tok, spec.val_percent) for s in spec.sources], tok))
-    texts = [data_lib.read_corpus(p, extensions=spec.extensions, val_percent=spec.val_percent,
+    texts = [text_lib.read_corpus(p, extensions=spec.extensions, val_percent=spec.val_percent,
                                   text_field=spec.text_field) for p in paths]
     joined = texts[0] if len(texts) == 1 else _Joined(texts)
     tok = load_tokenizer(run_dir, spec, joined, objective)
     if not spec.sources:
-        return Data(tok, lambda cache_dir=None, progress=False: data_lib.encode_corpus(texts[0], tok, cache_dir,
+        return Data(tok, lambda cache_dir=None, progress=False: encoding_lib.encode_corpus(texts[0], tok, cache_dir,
                                                                                    progress=progress))
     return Data(tok, lambda cache_dir=None, progress=False: MixtureCorpus(
-        spec.sources, [data_lib.encode_corpus(t, tok, cache_dir, progress=progress) for t in texts], tok))
+        spec.sources, [encoding_lib.encode_corpus(t, tok, cache_dir, progress=progress) for t in texts], tok))
 
 
 def read_text_and_tokenizer(run_dir: Path, spec, cache_dir=None, objective: str = "ar"):
     """(tokenizer, text corpus); the tokenizer is the run's own when it has one, else a new one in memory."""
-    text = data_lib.read_corpus(spec.path, extensions=spec.extensions, val_percent=spec.val_percent,
+    text = text_lib.read_corpus(spec.path, extensions=spec.extensions, val_percent=spec.val_percent,
                                 text_field=spec.text_field)
     tok = load_tokenizer(run_dir, spec, text, objective)
     return tok, text

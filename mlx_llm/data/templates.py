@@ -34,8 +34,8 @@ import json
 import numpy as np
 
 from mlx_llm.errors import ConfigError, DataError, InputError
-from mlx_llm.post.chat import ChatTemplate, check_messages
-from mlx_llm.train.tokenizer import Tokenizer
+from mlx_llm.data.chat import ChatTemplate, check_messages
+from mlx_llm.data.tokenizer import Tokenizer
 
 PLACEHOLDER = "\ue000{}\ue001"  # private-use characters around the message index: no real text holds them
 

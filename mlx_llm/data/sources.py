@@ -1,7 +1,7 @@
 """Record sources for ``--data`` beside text files: JSON Lines, parquet, and datasets saved by HF ``datasets``.
 
 A record source holds many documents, one per record: the string in the record's ``text_field`` (``--text-field``,
-default ``text``). train/text.py finds the sources and splits their documents; this module only reads them.
+default ``text``). data/text.py finds the sources and splits their documents; this module only reads them.
 
 - ``*.jsonl`` / ``*.jsonl.gz``: one JSON object per line (blank lines skipped); document ``relpath:LINE`` (LINE
   counted from 1, as editors do). Read line by line, through ``gzip`` for ``.gz``.

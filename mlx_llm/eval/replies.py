@@ -1,0 +1,100 @@
+"""A model's replies through the chat template: sampled or greedy replies to prompts, held-out exact match on a
+built-in task (``eval_task``: the skill a fine-tuning run is measured by) and the ``chat`` command's conversation.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from mlx_llm.config import ModelConfig
+from mlx_llm.data import tasks as tasks_lib
+from mlx_llm.data.chat import ChatTemplate
+from mlx_llm.data.templates import template_for
+from mlx_llm.decode.generate import generate
+from mlx_llm.errors import ConfigError, InputError
+
+REPLY_TOKENS = {"arithmetic": 8, "addition2": 8, "name_function": 40}  # new tokens eval_task allows per reply
+
+
+def sample_replies(params, cfg: ModelConfig, tok, template: ChatTemplate, prompts, max_new_tokens: int, *,
+                   temperature: float | None = None, seed: int = 0, batch_size: int = 64) -> list:
+    """The model's reply to each conversation of ``prompts`` (rendered with the assistant marker), decoded until
+    the end-of-turn marker or ``max_new_tokens``: greedy (``temperature`` None) or sampled from p^(1/T) with
+    the jitted decoder. Returns [(reply ids, end marker included when produced), text (marker dropped)].
+    The tokenizer's own chat template, when it has one, renders the prompts (``template_for``)."""
+    template = template_for(tok, template)
+    end_id = tok.token_id(template.end)
+    encoded = [template.encode(m, tok, generation_prompt=True)[0] for m in prompts]
+    longest = max(len(p) for p in encoded)
+    if longest + max_new_tokens > cfg.max_seq_len:
+        raise ConfigError(f"prompts of up to {longest} tokens + {max_new_tokens} new tokens exceed the model's "
+                          f"max_seq_len = {cfg.max_seq_len}")
+    out_replies = []
+    for i in range(0, len(encoded), batch_size):
+        chunk = encoded[i:i + batch_size]
+        chunk = chunk + [chunk[0]] * (batch_size - len(chunk))  # one compiled shape
+        lengths = np.array([len(p) for p in chunk], np.int32)
+        padded = np.full((batch_size, longest), tok.pad_id, np.int32)
+        for r, p in enumerate(chunk):
+            padded[r, :len(p)] = p
+        out = generate(params, cfg, padded, max_new_tokens, temperature=temperature, eos_id=end_id,
+                       pad_id=tok.pad_id, prompt_lengths=lengths, seed=seed + i)
+        toks, lens = np.asarray(out.tokens), np.asarray(out.lengths)
+        for r in range(min(batch_size, len(encoded) - i)):
+            reply = toks[r, :lens[r]]
+            text = reply[:-1] if lens[r] and reply[-1] == end_id else reply
+            out_replies.append((reply, tok.decode(text, skip_special=True)))
+    return out_replies
+
+
+def eval_task(params, cfg: ModelConfig, tok, task: str, template: ChatTemplate = ChatTemplate(), *,
+              n: int | None = None, batch_size: int = 64, max_new_tokens: int | None = None) -> dict:
+    """Held-out exact match: each held-out prompt (``tasks.prompt_messages``) rendered with the assistant marker,
+    greedy decoding until the end-of-turn marker (at most ``max_new_tokens``, default ``REPLY_TOKENS[task]``:
+    room for any correct answer and its end marker in bytes), the reply scored by ``tasks.check``. Returns
+    {"accuracy", "n", "correct", "examples": [(prompt, reply, expected), …]}."""
+    max_new_tokens = REPLY_TOKENS[task] if max_new_tokens is None else max_new_tokens
+    examples = tasks_lib.examples(task, "heldout", n=n)
+    start = time.perf_counter()
+    replies = [text for _, text in sample_replies(params, cfg, tok, template,
+                                                  [tasks_lib.prompt_messages(e) for e in examples], max_new_tokens,
+                                                  batch_size=batch_size)]
+    correct = [tasks_lib.check(task, r, e["answer"]) for r, e in zip(replies, examples)]
+    return {"accuracy": float(np.mean(correct)), "n": len(examples), "correct": int(sum(correct)),
+            "seconds": time.perf_counter() - start,
+            "examples": [(e["messages"][-2]["content"], r, e["answer"]) for e, r in zip(examples, replies)]}
+
+
+def chat_session(params, cfg: ModelConfig, tok, template, *, system: str | None = None, max_new_tokens: int = 128,
+                 temperature: float | None = None, read=input, write=print) -> int:
+    """The ``chat`` command's loop: each line read is the user's turn, the model's reply (decoded until the
+    template's end-of-turn marker) is written and kept in the conversation; an empty line or end of input ends
+    it (returns 0). A turn that cannot be sent — its prompt would leave no room in the model's context
+    (``cfg.max_seq_len``), or the template refuses it — is reported and dropped; the session goes on."""
+    template = template_for(tok, template)
+    end_id = tok.token_id(template.end)
+    messages = [{"role": "system", "content": system}] if system else []
+    while True:
+        try:
+            line = read("you> ").strip()
+        except EOFError:
+            return 0
+        if not line:
+            return 0
+        turn = messages + [{"role": "user", "content": line}]
+        try:
+            ids, _ = template.encode(turn, tok, generation_prompt=True)
+        except InputError as err:
+            write(f"(not sent: {err})")
+            continue
+        n_new = min(max_new_tokens, cfg.max_seq_len - len(ids))
+        if n_new < 1:
+            write(f"(not sent: with this message the prompt is {len(ids)} tokens and the model reads at most "
+                  f"{cfg.max_seq_len}, leaving no room for a reply; send a shorter message, or an empty line to end)")
+            continue
+        out = generate(params, cfg, ids[None], n_new, temperature=temperature, eos_id=end_id, pad_id=tok.pad_id)
+        text = tok.decode(np.asarray(out.tokens[0])[: int(out.lengths[0])], skip_special=True)
+        write("model> " + text)
+        messages = turn + [{"role": "assistant", "content": text if text.strip() else "…"}]
