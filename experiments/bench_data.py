@@ -41,22 +41,22 @@ CHILD = textwrap.dedent("""
     import hashlib, json, resource, sys, time
     from pathlib import Path
     import numpy as np
-    from mlx_llm.data import packing as D, tokenizer as T
+    from mlx_llm.data import encoding as encoding_lib, text as text_lib, tokenizer as T
 
     mode, corpus, tok_file, cache, workers = sys.argv[1:6]
     tok = T.load(tok_file)
     t0 = time.perf_counter()
     if mode == "stream":
-        text = D.read_corpus(corpus, val_percent=5.0)
-        out = D.encode_corpus(text, tok, cache, workers=int(workers))
+        text = text_lib.read_corpus(corpus, val_percent=5.0)
+        out = encoding_lib.encode_corpus(text, tok, cache, workers=int(workers))
         splits, n_bytes = {"train": out.train, "val": out.val}, text.stats.n_bytes
     else:  # the all-in-memory path, as it was before streaming
-        files, where = D.find_files(corpus)
-        docs, stats = D.read_documents(files, where)
-        train, val = D.split_documents(docs, 5.0)
-        key = D.cache_key(D.TextCorpus(train, val, stats), tok)
-        splits = {"train": D.encode_stream(train, tok), "val": D.encode_stream(val, tok)}
-        D._write_cache(Path(cache) / key, splits)
+        files, where = text_lib.find_files(corpus)
+        docs, stats = text_lib.read_documents(files, where)
+        train, val = text_lib.split_documents(docs, 5.0)
+        key = encoding_lib.cache_key(text_lib.TextCorpus(train, val, stats), tok)
+        splits = {"train": encoding_lib.encode_stream(train, tok), "val": encoding_lib.encode_stream(val, tok)}
+        encoding_lib._write_cache(Path(cache) / key, splits)
         n_bytes = stats.n_bytes
     seconds = time.perf_counter() - t0
     self_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

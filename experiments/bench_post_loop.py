@@ -32,6 +32,7 @@ from mlx_llm.post import dpo, prologue as loop
 from mlx_llm.post import pairs as pairs_lib
 from mlx_llm.data.chat import ChatTemplate
 from mlx_llm.recipes import MAIN_JOB_MODEL
+from mlx_llm.train import preflight
 from mlx_llm.train.parallel import batch_sharding, make_mesh, shard_tree
 from mlx_llm.train.step import init_state, optimizer_for, place_state
 from mlx_llm.data.tokenizer import ByteTokenizer

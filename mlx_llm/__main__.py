@@ -1,5 +1,3 @@
-import sys
+from mlx_llm.cli import run
 
-from mlx_llm.cli import main
-
-sys.exit(main())
+run()

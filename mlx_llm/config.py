@@ -50,9 +50,14 @@ def parse_mesh(spec: str) -> dict[str, int]:
     return sizes
 
 
-def _require_int(cfg, name: str, *, minimum: int) -> None:
-    check_int(f"{type(cfg).__name__}.{name}", getattr(cfg, name), minimum,
-              reason="it must be a positive integer" if minimum == 1 else None)
+INT32_MAX = 2**31 - 1  # token ids, positions and the step counter are int32
+SEED_MAX = 2**63 - 1  # seeds are int64 (jax.random.key, numpy's generators)
+
+
+def _require_int(cfg, name: str, *, minimum: int, maximum: int = INT32_MAX) -> None:
+    bound = f"a positive integer ≤ {maximum:,}" if minimum == 1 else f"an integer >= {minimum} and ≤ {maximum:,}"
+    check_int(f"{type(cfg).__name__}.{name}", getattr(cfg, name), minimum, maximum=maximum,
+              reason=f"it must be {bound}")
 
 
 def _require_float(cfg, name: str, *, positive: bool = False, low: float | None = None,
@@ -368,6 +373,9 @@ def check_seq_len(cfg: "ModelConfig", tcfg: "TrainConfig", model: str = "the mod
                           f"{fix}")
 
 
+_FIELD_DEFAULTS = {"decay_fraction": 0.2, "decay_shape": "1-sqrt"}  # TrainConfig's wsd fields, unset
+
+
 def wsd_decay_steps(total_steps: int, decay_fraction: float) -> int:
     """D of a warmup-stable-decay schedule of ``total_steps`` (optim.warmup_stable_decay): round(F·S), at least 1."""
     return max(1, round(decay_fraction * total_steps))
@@ -413,8 +421,8 @@ class TrainConfig(JsonConfig):
     schedule: str = setting("cosine", "learning-rate schedule after the warmup: cosine (down to final_lr_fraction) "
                             "or wsd (warmup-stable-decay: the peak until the last decay_fraction of the steps, then "
                             "down to final_lr_fraction; Hägele et al. 2024)", choices=SCHEDULES)
-    decay_fraction: float = setting(0.2, "wsd: share of the steps in the final decay, in (0, 1)")
-    decay_shape: str = setting("1-sqrt", "wsd: shape of the decay, 1-sqrt (η ∝ 1 − √p, Hägele et al.'s best) or "
+    decay_fraction: float = setting(_FIELD_DEFAULTS["decay_fraction"], "wsd: share of the steps in the final decay, in (0, 1)")
+    decay_shape: str = setting(_FIELD_DEFAULTS["decay_shape"], "wsd: shape of the decay, 1-sqrt (η ∝ 1 − √p, Hägele et al.'s best) or "
                                "linear", choices=DECAY_SHAPES)
     optimizer: str = setting("adamw", "adamw, or muon (Newton–Schulz orthogonalised momentum on each layer's "
                              "matrices, AdamW on embeddings, norms and the rest; one lr for both)", choices=OPTIMIZERS)
@@ -442,8 +450,9 @@ class TrainConfig(JsonConfig):
         for name in ("batch_size", "seq_len", "steps", "grad_accum", "eval_interval", "checkpoint_interval",
                      "keep_checkpoints", "log_interval"):
             _require_int(self, name, minimum=1)
-        for name in ("warmup_steps", "eval_tokens", "seed"):
+        for name in ("warmup_steps", "eval_tokens"):
             _require_int(self, name, minimum=0)
+        _require_int(self, "seed", minimum=0, maximum=SEED_MAX)
         _require_float(self, "lr", positive=True)
         _require_float(self, "clip_norm", positive=True)
         _require_float(self, "final_lr_fraction", low=0.0, high=1.0)
@@ -475,6 +484,11 @@ class TrainConfig(JsonConfig):
         _require_float(self, "decay_fraction", low=0.0, high=1.0)
         if not 0 < self.decay_fraction < 1:
             raise ConfigError(f"TrainConfig.decay_fraction = {self.decay_fraction!r} is invalid: it must be in (0, 1)")
+        wsd_only = [f"{name} = {getattr(self, name)!r}" for name in ("decay_fraction", "decay_shape")
+                    if getattr(self, name) != _FIELD_DEFAULTS[name]]
+        if self.schedule != "wsd" and wsd_only:
+            raise ConfigError(f"TrainConfig: {', '.join(wsd_only)} shape(s) the wsd decay, but schedule = "
+                              f"{self.schedule!r} has none: give --schedule wsd, or drop them")
         if self.schedule == "wsd" and self.warmup_steps + self.decay_steps > self.steps:
             raise ConfigError(f"TrainConfig: warmup_steps = {self.warmup_steps} plus the wsd decay ({self.decay_steps} "
                               f"steps, decay_fraction {self.decay_fraction:g} of {self.steps}) exceed steps = "

@@ -25,6 +25,11 @@ class CheckpointError(MLXLLMError):
     """A run directory or checkpoint that cannot be read, resumed or written."""
 
 
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint or a new directory could not be written (a full disk, a failed write): nothing half-written
+    is left, earlier checkpoints are intact. The CLI exits with status 1."""
+
+
 class ResumeMismatch(ConfigError, CheckpointError):
     """A resume asked with settings that differ from the run's: a configuration error about a run directory (the
     one resume rule, runs/resume.py)."""

@@ -9,10 +9,105 @@ import json
 import math
 import numbers
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 from mlx_llm.errors import ConfigError
+
+
+MAX_JSON_BYTES = 512 << 20  # a JSON file read from outside (a large tokenizer.json is tens of MB)
+MAX_INT_DIGITS = 100  # an integer in such a file (no field of any file we read needs more)
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+
+
+class JsonProblem(ValueError):
+    """Untrusted JSON that cannot be used: ``where`` (a file), ``line`` (when known) and ``detail`` (what is
+    wrong); ``syntax`` is the parser's own complaint when the text is not JSON at all (callers word that case
+    their way)."""
+
+    def __init__(self, where: str, detail: str, line: int | None = None, syntax: str | None = None):
+        super().__init__(f"{where}{'' if line is None else f':{line}'}: {detail}")
+        self.where, self.detail, self.line, self.syntax = where, detail, line, syntax
+
+
+def _line_of(text: str, pos: int) -> int:
+    return text.count("\n", 0, max(pos, 0)) + 1
+
+
+def _deep_line(text: str, limit: int = 500) -> int:
+    """The line where the nesting of ``text`` first exceeds ``limit`` (strings skipped)."""
+    depth, stripped = 0, _STRING.sub('""', text)
+    for m in re.finditer(r"[\[\]{}]", stripped):
+        depth += 1 if m.group() in "[{" else -1
+        if depth > limit:
+            return _line_of(stripped, m.start())
+    return 1
+
+
+def _lone_surrogate(obj, path: str = "") -> str | None:
+    """The path of the first string (or key) of ``obj`` holding a lone UTF-16 surrogate, else None."""
+    stack = [(obj, path)]
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return where or "the top level"
+        elif isinstance(value, dict):
+            stack += [(k, f"{where}/{k!r} (a key)") for k in value] + [(v, f"{where}/{k}") for k, v in value.items()]
+        elif isinstance(value, list):
+            stack += [(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    return None
+
+
+def parse_json(text: str, where: str) -> Any:
+    """JSON from outside (a file or a line of one), parsed with bounded cost: invalid JSON, nesting deeper than
+    Python's parser goes, an integer of more than ``MAX_INT_DIGITS`` digits and a string holding a lone surrogate
+    (not Unicode text) each raise one ``JsonProblem`` line naming ``where`` and the line."""
+
+    def parse_int(digits: str) -> int:
+        if len(digits.lstrip("-")) > MAX_INT_DIGITS:
+            raise JsonProblem(where, f"an integer of {len(digits):,} digits (at most {MAX_INT_DIGITS} are read)",
+                              _line_of(text, text.find(digits)))
+        return int(digits)
+
+    try:
+        obj = json.loads(text, parse_int=parse_int)
+    except json.JSONDecodeError as err:
+        syntax = f"{err.msg}: line {err.lineno} column {err.colno} (char {err.pos})"
+        raise JsonProblem(where, f"not valid JSON ({syntax})", err.lineno, syntax) from None
+    except RecursionError:
+        raise JsonProblem(where, "nested too deeply (the JSON files read here are a few levels deep)",
+                          _deep_line(text)) from None
+    if _SURROGATE_ESCAPE.search(text):
+        bad = _lone_surrogate(obj)
+        if bad is not None:
+            raise JsonProblem(where, f"the string at {bad} holds a lone UTF-16 surrogate (\\ud800-\\udfff without its "
+                                     f"pair): it is not Unicode text")
+    return obj
+
+
+def read_json(path: str | os.PathLike, max_bytes: int = MAX_JSON_BYTES) -> Any:
+    """``parse_json`` of a UTF-8 file of at most ``max_bytes``; every failure (missing, unreadable, too large, not
+    UTF-8, not usable JSON) is one ``JsonProblem`` line naming the file."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        if size > max_bytes:
+            raise JsonProblem(str(path), f"{size:,} bytes, more than the {max_bytes:,} a JSON file may have here")
+        with path.open("rb") as fh:
+            raw = fh.read(max_bytes + 1)
+        text = raw.decode("utf-8")
+    except FileNotFoundError:
+        raise JsonProblem(str(path), "no such file") from None
+    except UnicodeDecodeError as err:
+        raise JsonProblem(str(path), f"not UTF-8 text (byte {raw[err.start]:#04x} at offset {err.start})") from None
+    except OSError as err:
+        raise JsonProblem(str(path), f"cannot be read ({err.strerror or err})") from None
+    return parse_json(text, str(path))
 
 
 def setting(default: Any, help: str, **meta) -> Any:
@@ -48,16 +143,15 @@ class JsonConfig:
     def from_json(cls, path: str | os.PathLike):
         path = Path(path)
         what = f"{cls.__name__} file {str(path)!r}"
+        if not path.exists():
+            raise ConfigError(f"{what} does not exist")
         try:
-            text = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise ConfigError(f"{what} does not exist") from None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"{what} cannot be read: {exc}") from None
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{what} is not valid JSON: {exc}") from None
+            data = read_json(path)
+        except JsonProblem as exc:
+            if exc.syntax is not None:
+                raise ConfigError(f"{what} is not valid JSON: {exc.syntax}") from None
+            raise ConfigError(f"{what} cannot be used: {exc.detail}" + (f" (line {exc.line})" if exc.line else "")
+                              ) from None
         return cls.from_dict(data, source=str(path))
 
     def to_json(self, path: str | os.PathLike) -> None:

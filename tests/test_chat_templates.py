@@ -142,6 +142,47 @@ def test_template_for():
     assert picked.to_dict() is None
 
 
+# ----- what a template may cost (data/template_sandbox.py) --------------------------------------------------
+NESTED = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+PER_CHAR = ("{% for m in messages %}{% for a in m.content %}{% for b in m.content %}{% endfor %}{% endfor %}"
+            "{{ '<|' + m.role + '|>' + m.content + '<|end|>' }}{% endfor %}")
+
+
+@pytest.mark.parametrize("source, message", [
+    (NESTED, r"it did not finish rendering within 2 s"),
+    ("{{ 'x' * 10000000000 }}", r"it needs more than the 1024 MiB of memory a template may use"),
+    ("{{ 'x' | center(20000000) }}", r"its rendering is 20,000,000 characters, more than the 8,388,608 allowed"),
+    ("{{ '{%' * 1000 }}" + "x" * (1 << 20), r"its source is 1,048,5\d\d characters, more than the 1,048,576 allowed"),
+])
+def test_a_template_that_costs_too_much_is_refused_at_import_in_one_line(tmp_path, source, message):
+    """Two nested loops of 100,000 (each within the sandbox's range limit), a 10 GB string, a 20 MB rendering
+    and a source beyond 1 Mi characters: each refused in one line, within seconds, by the worker process's limits
+    (the deadline, the address-space cap, the output and source sizes)."""
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(DataError, match=r"^\S*tokenizer_config.json: the chat template is refused: " + message) as info:
+        hf_tokenizer.from_hf(export_dir(tmp_path / "hf", chat_template=source))
+    assert "\n" not in str(info.value) and time.monotonic() - start < 30
+    assert jinja(PLAIN).render(CONV).startswith("<|system|>Be brief.")  # the next template renders as usual
+
+
+def test_a_conversation_that_makes_a_template_too_costly_is_refused_alone(tmp_path):
+    """A template that loops over each content twice imports (its probes are short); a conversation with a
+    100,000-character message would take 10¹⁰ iterations: that conversation is refused (sft names its line, chat
+    does not send it), and the next one renders."""
+    template = jinja(PER_CHAR)
+    long = [{"role": "user", "content": "x" * 100_000}, {"role": "assistant", "content": "y"}]
+    with pytest.raises(InputError, match=r"^the chat template is stopped on this conversation: it did not finish "
+                                         r"rendering within 2 s$"):
+        template.render(long)
+    assert template.render(CONV[1:3]) == "<|user|>What is 2 + 3?<|end|><|assistant|>5<|end|>"
+    path = tmp_path / "convs.jsonl"
+    path.write_text(json.dumps({"messages": CONV[1:3]}) + "\n" + json.dumps({"messages": long}) + "\n")
+    with pytest.raises(DataError, match=r"convs.jsonl:2: .*did not finish rendering within 2 s"):
+        read_conversations(path, TOK, template, 1 << 20)
+
+
 # ----- at import ----------------------------------------------------------------------------------------------
 def export_dir(path, tok=TOK, **tok_cfg):
     path.mkdir()

@@ -123,7 +123,7 @@ def test_seq_len_longer_than_model_rejected(tmp_path, corpus_dir):
 def test_time_budget_sets_the_steps_it_fits(tmp_path, corpus_dir, monkeypatch):
     """--time-budget measures the step (here replaced by a fixed 50 ms) and trains budget / step-time steps, with
     warmup and intervals capped to them; train_config.json records the steps, so the run resumes as any other."""
-    from mlx_llm.runs import pretrain as run_lib
+    from mlx_llm.train import lm as run_lib
 
     monkeypatch.setattr(run_lib, "seconds_per_step", lambda cfg, tcfg, corpus: 0.05)
     out = tmp_path / "r"

@@ -10,12 +10,13 @@ Importing this package imports no jax (``mlx-llm --help`` answers at once).
 
 from __future__ import annotations
 
+import signal
 import sys
 
-from mlx_llm.cli.commands import COMMANDS, TRAINING, trust_of
+from mlx_llm.cli.commands import COMMANDS, TRAINING, sigterm_interrupts, trust_of
 from mlx_llm.cli.flags import apply_sets, given
 from mlx_llm.cli.parser import build_parser
-from mlx_llm.errors import MLXLLMError
+from mlx_llm.errors import CheckpointWriteError, MLXLLMError
 
 __all__ = ["build_parser", "main"]
 
@@ -26,8 +27,11 @@ def main(argv=None) -> int:
         fields = given(args)
         if hasattr(args, "sections"):
             fields = apply_sets(fields, args.sets, args.sections)
-        with trust_of(args):
+        with sigterm_interrupts(), trust_of(args):
             return COMMANDS[args.command](args, fields, args.subparser)
+    except CheckpointWriteError as exc:  # a write failed (a full disk): status 1, as documented
+        print(f"mlx-llm {args.command}: error: {exc}", file=sys.stderr)
+        return 1
     except MLXLLMError as exc:
         print(f"mlx-llm {args.command}: error: {exc}", file=sys.stderr)
     except OSError as exc:
@@ -39,5 +43,15 @@ def main(argv=None) -> int:
     return 2
 
 
+def run() -> None:
+    """The ``mlx-llm`` process: ``main``, then exit with its status. Once the command has finished, a late SIGINT
+    or SIGTERM is ignored: the process is only exiting (jax's and the libraries' exit handlers run), and a signal
+    there would print a traceback instead of ending quietly."""
+    code = main()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

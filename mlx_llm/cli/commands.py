@@ -12,6 +12,7 @@ import functools
 import json
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -65,28 +66,24 @@ def training_command(command):
     """A training command (train, sft, reward, dpo, rl) runs with jax's persistent compilation cache
     (``RunOptions.compilation_cache``) and ends in one line, never a traceback: stopped by SIGTERM / SIGINT at a
     step boundary (``loop.TrainingStopped``: its checkpoint, the resume command) exits 0; a checkpoint that could
-    not be written (``checkpoint.CheckpointWriteError``: a full disk) exits 1; SIGTERM outside the training loop
+    not be written (``errors.CheckpointWriteError``: a full disk) exits 1; SIGTERM outside the training loop
     reads as Ctrl-C (``mlx_llm.cli.main``: interrupted, status 130)."""
 
     @functools.wraps(command)
     def run(args, given: dict, parser) -> int:
         import jax
 
-        from mlx_llm.train.checkpoint import CheckpointWriteError
         from mlx_llm.train.loop import TrainingStopped
 
         options = RunOptions(**given.get("run", {}))
         try:
-            with _sigterm_interrupts(), compilation_cache(options.compilation_cache_dir(getattr(args, "cache_dir",
+            with compilation_cache(options.compilation_cache_dir(getattr(args, "cache_dir",
                                                                                                None))):
                 return command(args, given, parser)
         except TrainingStopped as stop:
             if jax.process_index() == 0:
                 print(f"mlx-llm {args.command}: {stop}", file=sys.stderr)
             return 0
-        except CheckpointWriteError as exc:
-            print(f"mlx-llm {args.command}: error: {exc}", file=sys.stderr)
-            return 1
 
     return run
 
@@ -96,9 +93,13 @@ def _interrupt(signum, frame):
 
 
 @contextlib.contextmanager
-def _sigterm_interrupts():
-    """SIGTERM raises KeyboardInterrupt (one line, not a silent exit 143) wherever the training loop's own handler
-    (``loop.StopSignals``) is not installed."""
+def sigterm_interrupts():
+    """SIGTERM raises KeyboardInterrupt (one line and status 130, not a silent exit 143) wherever the training
+    loop's own handler (``loop.StopSignals``) is not installed: in every command, for its whole run. Installed
+    from the main thread only; the previous handler is restored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         yield
@@ -147,6 +148,7 @@ def cmd_train(args, given: dict, parser) -> int:
     cfg = tcfg = spec = branch = resume = None
     if "path" in given.get("data", {}):  # --data PATH, or a mixture: NAME=PATH[:WEIGHT] ... / a mixture .json
         given["data"] = {**given["data"], **data_flag(given["data"].pop("path"))}
+    check_token_flags(given.get("data", {}))
     sizing = Sizing(**given.pop("sizing", {}))
     options = RunOptions(**given.pop("run", {}))
     sized = {"--time-budget": args.time_budget is not None, "--target-flops": sizing.target_flops is not None,
@@ -189,6 +191,17 @@ def cmd_train(args, given: dict, parser) -> int:
     if summary["sample"] is not None:
         print("sample:\n" + summary["sample"])
     return 0
+
+
+def check_token_flags(data: dict) -> None:
+    """--tokenizer bpe / byte train or pick a tokenizer for text; on token-id shards they would be ignored."""
+    from mlx_llm.data.mixture import parse_sources
+    from mlx_llm.data.tokens import is_token_source
+
+    paths = [data.get("path")] + [s.path for s in parse_sources(data.get("mixture", ()))]
+    if data.get("tokenizer") in ("bpe", "byte") and any(is_token_source(p) for p in paths if p):
+        raise MLXLLMError(f"--tokenizer {data['tokenizer']} encodes text; token-id shards (.bin/.npy) are read as "
+                          f"they are: give --tokenizer PATH (the tokenizer the ids were made with), or none")
 
 
 def branch_of(args, given: dict, parser):

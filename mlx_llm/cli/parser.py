@@ -26,6 +26,7 @@ POST_RECIPES = {"sft": SFT_TRAIN, **PREF_TRAIN}
 POST_EXCLUDED = {"sft": ("objective",), "reward": ("objective", "compute_dtype", "z_loss"),
                  "dpo": ("objective", "compute_dtype", "z_loss"),
                  "rl": ("objective", "compute_dtype", "eval_tokens", "z_loss")}
+FAMILIES = "Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral or Mamba"  # interop/hf_config.py: the families mapped
 POST_HELP = {"sft": "fine-tune a run on conversations (full or LoRA)",
              "reward": "train a Bradley–Terry reward model on preference pairs",
              "dpo": "direct preference optimisation of a run on preference pairs",
@@ -97,8 +98,10 @@ def add_post(sub, kind: str) -> None:
     cls = POST_SETTINGS[kind]
     add_run_flags(pp, out_required=True, sections={"train": ("train", TrainConfig), kind: ("settings", cls),
                                                    "lora": ("lora", LoRAConfig), "run": ("run", RunOptions)})
-    source = pp.add_mutually_exclusive_group()
-    groups = {"data": source, "task": source} if kind != "rl" else {}
+    groups = {}
+    if kind != "rl":  # rl takes a task only (an empty exclusive group would break --help)
+        source = pp.add_mutually_exclusive_group()
+        groups = {"data": source, "task": source}
     add_config_flags(pp, cls, "settings", groups=groups)
     add_config_flags(pp.add_argument_group("LoRA"), LoRAConfig, "lora", prefix="lora_")
     add_config_flags(pp.add_argument_group("training"), TrainConfig, "train", shown=POST_RECIPES[kind],
@@ -153,14 +156,13 @@ def add_files(sub) -> None:
     trust_flag(mg)
     mg.add_argument("--run", type=Path, required=True, help="the LoRA run")
     mg.add_argument("--out", type=Path, required=True, help="a new run directory")
-    hx = sub.add_parser("export", help="write a run as a Hugging Face transformers checkpoint (Llama, Mamba or "
-                        "Mixtral; safetensors)")
+    hx = sub.add_parser("export", help=f"write a run as a Hugging Face transformers checkpoint ({FAMILIES}; "
+                        f"safetensors)")
     trust_flag(hx)
     hx.add_argument("--run", type=Path, required=True, help="the run directory")
     hx.add_argument("--to", type=Path, required=True, help="a new directory for from_pretrained")
     hx.add_argument("--step", type=int, help="checkpoint step (default: latest)")
-    hi = sub.add_parser("import", help="a transformers checkpoint directory (Llama, Mamba or Mixtral; safetensors) "
-                        "as a run")
+    hi = sub.add_parser("import", help=f"a transformers checkpoint directory ({FAMILIES}; safetensors) as a run")
     hi.add_argument("--from", dest="source", type=Path, required=True, help="the transformers checkpoint directory")
     hi.add_argument("--out", type=Path, required=True, help="a new run directory")
     ge = sub.add_parser("generate", help="continue a prompt with a trained run")

@@ -24,13 +24,13 @@ renders the same text. Both accept the same role orders (``check_messages``).
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import numpy as np
 
 from mlx_llm.errors import DataError, InputError
 from mlx_llm.data.tokenizer import BOS, CHAT_MARKERS, Tokenizer
+from mlx_llm.settings import JsonProblem, parse_json
 
 ROLES = ("system", "user", "assistant")
 VALID_ORDER = ("valid conversations are an optional first system message, then user and assistant turns alternating, "
@@ -184,9 +184,11 @@ def jsonl_records(path):
     for n, line in enumerate(lines, start=1):
         if line.strip():
             try:
-                yield n, json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{path}:{n}: not JSON ({err.msg})") from None
+                record = parse_json(line, f"{path}:{n}")
+            except JsonProblem as err:
+                raise DataError(f"{path}:{n}: not JSON ({err.syntax})" if err.syntax else f"{path}:{n}: {err.detail}"
+                                ) from None
+            yield n, record
 
 
 def read_conversations(path, tok: Tokenizer, template: ChatTemplate, max_len: int):

@@ -54,6 +54,9 @@ def open_data(run_dir: Path, spec, objective: str = "ar") -> Data:
         raise ConfigError("a mixture holds either text sources or token-id sources (.bin/.npy), not both: their "
                           "ids would come from different tokenizers")
     if kinds == {True}:
+        if spec.tokenizer == "byte":
+            raise ConfigError("--tokenizer byte encodes text; token-id shards (.bin/.npy) are read as they are: give "
+                              "--tokenizer PATH (the tokenizer the ids were made with), or none")
         tok = _id_tokenizer(run_dir, spec, objective)
         if not spec.sources:
             return Data(tok, lambda cache_dir=None, progress=False: token_corpus(spec.path, tok, spec.val_percent))

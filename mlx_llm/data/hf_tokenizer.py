@@ -37,8 +37,9 @@ from pathlib import Path
 
 from mlx_llm.errors import ConfigError, DataError, InputError
 from mlx_llm.data.chat import ChatTemplate
-from mlx_llm.data.templates import JinjaTemplate
+from mlx_llm.data.templates import JinjaTemplate, TemplateTooCostly
 from mlx_llm.data import tokenizer as tok_lib
+from mlx_llm.settings import JsonProblem, read_json
 
 TOKENIZER_FILE, TOKENIZER_CONFIG_FILE = "tokenizer.json", "tokenizer_config.json"
 CHAT_TEMPLATE_FILE, HF_CONFIG_FILE = "chat_template.jinja", "config.json"
@@ -135,9 +136,10 @@ def _read_json(path: Path, required: bool) -> dict:
                             f"embedding (a transformers 'fast' tokenizer file)")
         return {}
     try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise DataError(f"{path} cannot be read as JSON: {exc}") from None
+        obj = read_json(path)
+    except JsonProblem as exc:
+        raise DataError(f"{path} cannot be read as JSON: {exc.detail}" + (f" (line {exc.line})" if exc.line else "")
+                        ) from None
     if not isinstance(obj, dict):
         raise DataError(f"{path} is not a JSON object")
     return obj
@@ -228,14 +230,17 @@ def _chat_template(hf_dir: Path, tok_cfg: dict) -> tuple[str | None, Path]:
 
 
 def _checked_template(source: str, where: Path, tok: tok_lib.Tokenizer) -> None:
-    """Compile the template and render a short conversation with it: a syntax error or an operation the sandbox
-    forbids refuses the import (its own ``raise_exception`` does not: it judges conversations)."""
+    """Compile the template and render a short conversation with it: a syntax error, an operation the sandbox
+    forbids, or a rendering past the sandbox's deadline, memory cap or output limit refuses the import (its own
+    ``raise_exception`` does not: it judges conversations)."""
     template = JinjaTemplate(source, tok, str(where))
     for messages, prompt in (([{"role": "user", "content": "Hi"}], True),
                              ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
                                {"role": "assistant", "content": "Hello"}], False)):
         try:
             template.render(messages, generation_prompt=prompt)
+        except TemplateTooCostly as err:
+            raise DataError(f"{where}: the chat template is refused: {str(err).partition(': ')[2]}") from None
         except InputError:
             pass
 

@@ -15,7 +15,6 @@ are taken from the file's directory; ``weight`` defaults to 1).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
 from pathlib import Path
@@ -24,6 +23,7 @@ import numpy as np
 
 from mlx_llm.errors import ConfigError
 from mlx_llm.data.packing import check_window_fits
+from mlx_llm.settings import JsonProblem, read_json
 
 NAME_RE = re.compile(r"[A-Za-z0-9_.-]+")
 
@@ -49,6 +49,11 @@ def _weight(text: str, name: str) -> float:
     return w
 
 
+def _exists(path: str, base: Path | None) -> bool:
+    full = Path(path).expanduser()
+    return (full if full.is_absolute() else (base or Path.cwd()) / full).exists() or any(c in path for c in "*?[")
+
+
 def parse_source(item: str, base: Path | None = None) -> Source:
     """``NAME=PATH[:WEIGHT]`` → Source (the weight is the part after the last ':' when it reads as a number, so
     a path may hold colons); relative paths are taken from ``base`` (default: the working directory)."""
@@ -60,6 +65,9 @@ def parse_source(item: str, base: Path | None = None) -> Source:
     looks_numeric = bool(colon) and re.fullmatch(r"[-+]?[0-9.eE+-]+|nan|inf", tail.strip().lower() or "x")
     if looks_numeric:
         weight = _weight(tail, name)
+    elif colon and path and not _exists(rest, base) and _exists(path, base):
+        raise ConfigError(f"the weight {tail!r} of source {name!r} is not a number (give NAME=PATH:WEIGHT, e.g. "
+                          f"{name}={path}:2)")
     else:
         path, weight = rest, 1.0
     full = Path(path).expanduser()
@@ -70,9 +78,12 @@ def parse_source(item: str, base: Path | None = None) -> Source:
 def read_mixture_file(path: Path) -> list[Source]:
     """The sources of a mixture JSON file (see the module docstring)."""
     try:
-        obj = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ConfigError(f"mixture file {path} cannot be read: {err}") from None
+        obj = read_json(path)
+    except JsonProblem as err:
+        raise ConfigError(f"mixture file {path} cannot be read: {err.detail}") from None
+    unknown = sorted(set(obj) - {"sources"}) if isinstance(obj, dict) else []
+    if unknown:
+        raise ConfigError(f"mixture file {path}: unknown key(s) {unknown}; a mixture file holds only 'sources'")
     entries = obj.get("sources") if isinstance(obj, dict) else None
     if not isinstance(entries, list) or not entries or not all(isinstance(e, dict) for e in entries):
         raise ConfigError(f'mixture file {path}: expected {{"sources": [{{"name": ..., "path": ..., "weight": ...}}, '
@@ -86,8 +97,25 @@ def read_mixture_file(path: Path) -> list[Source]:
         weight = e.get("weight", 1)
         if isinstance(weight, bool) or not isinstance(weight, (int, float)):
             raise ConfigError(f"mixture file {path}: the weight {weight!r} of source {e['name']!r} is not a number")
-        out.append(parse_source(f"{e['name']}={e['path']}:{float(weight)!r}", Path(path).parent))
+        source = parse_source(f"{e['name']}={e['path']}:{float(weight)!r}", Path(path).parent)
+        if _is_mixture_file(Path(source.path), Path(path)):
+            raise ConfigError(f"mixture file {path}: source {e['name']!r} is a mixture file ({source.path}); a "
+                              f"mixture's sources are data, not other mixtures")
+        out.append(source)
     return out
+
+
+def _is_mixture_file(candidate: Path, mixture: Path) -> bool:
+    """``candidate`` is the mixture file itself or another one (a JSON object with "sources")."""
+    if candidate.suffix.lower() != ".json" or not candidate.is_file():
+        return False
+    if candidate.resolve() == mixture.resolve():
+        return True
+    try:
+        obj = read_json(candidate, max_bytes=1 << 20)
+    except JsonProblem:
+        return False
+    return isinstance(obj, dict) and "sources" in obj
 
 
 def parse_sources(items) -> tuple[Source, ...]:
@@ -97,6 +125,10 @@ def parse_sources(items) -> tuple[Source, ...]:
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise ConfigError(f"data source name(s) {dupes} are given more than once: each source needs its own name")
+    total = sum(s.weight for s in sources)
+    if not math.isfinite(total):
+        raise ConfigError(f"the weights {[s.weight for s in sources]} sum to {total}: give smaller weights (only "
+                          f"their ratios matter)")
     return sources
 
 
@@ -152,6 +184,11 @@ class MixtureCorpus:
         mine = np.arange(batch_size)[rows]
         w_BT1 = np.stack([self.corpora[src_B[r]].train.tokens[starts_B[r] + np.arange(seq_len + 1)] for r in mine])
         return self.corpora[0]._pack(w_BT1, np.ones(w_BT1.shape, bool))
+
+    def check_windows(self, seq_len: int) -> None:
+        """Every source's splits can be batched at ``seq_len`` (``packing.Corpus.check_windows``)."""
+        for source, corpus in zip(self.sources, self.corpora):
+            corpus.check_windows(seq_len, f" of source {source.name!r}")
 
     def val_sets(self, seq_len: int, batch_size: int, max_tokens: int | None = None) -> dict:
         """{source name: its ValSet} (``max_tokens`` caps each source's scored targets)."""

@@ -85,12 +85,23 @@ def window_starts(n_tokens: int, step: int, *, batch_size: int, seq_len: int, se
     return np.random.default_rng([int(seed), int(step)]).integers(0, n_tokens - seq_len, size=batch_size)
 
 
-def check_window_fits(n_tokens: int, seq_len: int) -> None:
-    """A window of T + 1 tokens must fit the train split."""
+def check_window_fits(n_tokens: int, seq_len: int, where: str = "") -> None:
+    """A window of T + 1 tokens must fit the train split (``where``: which source, for a mixture)."""
+    if n_tokens < 2:
+        raise ConfigError(f"the train split{where} holds {n_tokens} token(s): a training window needs seq_len + 1 = "
+                          f"{seq_len + 1}; give more data")
     if n_tokens < seq_len + 1:
         raise ConfigError(
-            f"seq_len = {seq_len} is too long for a train split of {n_tokens} tokens: it must be ≤ {n_tokens - 1}"
+            f"seq_len = {seq_len} is too long for a train split{where} of {n_tokens} tokens: it must be ≤ "
+            f"{n_tokens - 1}"
         )
+
+
+def check_val_fits(n_tokens: int, where: str = "") -> None:
+    """The val split must hold at least one target (two tokens)."""
+    if n_tokens < 2:
+        raise ConfigError(f"the val split{where} holds {n_tokens} token(s): there is nothing to evaluate; give more "
+                          f"data (or a larger --val-percent)")
 
 
 def first_until(items: list, size, budget: int) -> list:
@@ -147,6 +158,11 @@ class Corpus:
     cache_path: Path
     cache_hit: bool
     encode_seconds: float  # 0 when read from the cache
+
+    def check_windows(self, seq_len: int, where: str = "") -> None:
+        """Both splits can be batched at ``seq_len``: checked before a run writes anything."""
+        check_window_fits(self.train.n_tokens, seq_len, where)
+        check_val_fits(self.val.n_tokens, where)
 
     def train_batch(self, step: int, *, batch_size: int, seq_len: int, seed: int,
                     rows: slice = slice(None)) -> dict[str, np.ndarray]:

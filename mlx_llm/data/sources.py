@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Iterator
 
 from mlx_llm.errors import DataError
+from mlx_llm.settings import JsonProblem, parse_json
 
 RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
 VAL_SPLIT_NAMES = ("validation", "val", "test")  # a DatasetDict's held-out split, the first one present
@@ -83,12 +84,13 @@ def iter_jsonl(path: Path, name: str, field: str) -> Iterator[tuple[str, str]]:
 
 def _json_text(raw: bytes, where: str, field: str) -> str:
     try:
-        record = json.loads(raw.decode("utf-8"))
+        record = parse_json(raw.decode("utf-8"), where)
     except UnicodeDecodeError as err:
         raise DataError(f"{where} is not valid UTF-8 (byte {raw[err.start]:#04x}): JSON Lines must be UTF-8") from None
-    except json.JSONDecodeError as err:
-        raise DataError(f"{where} is not valid JSON ({err.msg} at column {err.colno}): give one object per line") \
-            from None
+    except JsonProblem as err:
+        if err.syntax is None:
+            raise DataError(f"{where}: {err.detail}") from None
+        raise DataError(f"{where} is not valid JSON ({err.syntax}): give one object per line") from None
     if not isinstance(record, dict):
         raise DataError(f"{where} holds a JSON {type(record).__name__}, not an object: give one object per line")
     if field not in record:

@@ -1,9 +1,10 @@
 """A model's own Jinja chat template (``chat_template`` of its tokenizer_config.json), rendered in a sandbox, and
 the SFT loss mask over what it renders.
 
-Rendering matches transformers' ``apply_chat_template`` for the conversations mlx_llm accepts: the template is
-compiled by jinja2's ``ImmutableSandboxedEnvironment`` with ``trim_blocks`` and ``lstrip_blocks``, the
-``loopcontrols`` extension and a ``{% generation %}`` tag that renders its body; its globals are
+Rendering matches transformers' ``apply_chat_template`` for the conversations mlx_llm accepts. The template is
+untrusted code: it is compiled and rendered in a separate process under a deadline, a memory cap and an output
+limit (data/template_sandbox.py: a template that runs past one is refused), by jinja2's
+``ImmutableSandboxedEnvironment`` with ``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols`` extension and a ``{% generation %}`` tag that renders its body; its globals are
 ``raise_exception(message)``, ``strftime_now(format)``, ``dict`` and a ``namespace`` that refuses names starting
 with "_", and ``tojson`` writes JSON without HTML escaping. It sees ``messages``, ``add_generation_prompt``,
 ``tools`` / ``documents`` (None) and ``bos_token`` / ``eos_token`` / ``pad_token`` for the tokenizer's roles.
@@ -27,124 +28,65 @@ located. ``end`` (the stop token of decoding) is that end-of-turn token, else th
 
 from __future__ import annotations
 
-import datetime
-import functools
-import json
-
 import numpy as np
 
-from mlx_llm.errors import ConfigError, DataError, InputError
+from mlx_llm.data import template_sandbox
 from mlx_llm.data.chat import ChatTemplate, check_messages
 from mlx_llm.data.tokenizer import Tokenizer
+from mlx_llm.errors import ConfigError, DataError, InputError
 
 PLACEHOLDER = "\ue000{}\ue001"  # private-use characters around the message index: no real text holds them
 
 
-class TemplateRefusal(Exception):
-    """What the template's ``raise_exception(message)`` raises."""
+class TemplateTooCostly(InputError):
+    """A rendering stopped by the sandbox's deadline, memory cap or output limit (data/template_sandbox.py): at
+    import the template is refused; in ``sft`` / ``chat`` the conversation is."""
 
 
-def _raise_exception(message):
-    raise TemplateRefusal(str(message))
+def _sandbox():
+    """data/template_sandbox.py, once jinja2 is known to be installed (the worker process needs it)."""
+    import importlib.util
+
+    if importlib.util.find_spec("jinja2") is None:
+        raise ConfigError("rendering a model's chat template needs jinja2 >= 3.1.6 (pip install 'mlx_llm[hf]')")
+    return template_sandbox
 
 
-def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(fmt):
-    return datetime.datetime.now().strftime(fmt)
-
-
-class _DictMaker:
-    """``dict(...)`` and ``dict.fromkeys(...)`` for templates, without handing them the ``dict`` type itself."""
-
-    def __call__(self, *args, **kwargs):
-        return dict(*args, **kwargs)
-
-    def fromkeys(self, *args, **kwargs):
-        return dict.fromkeys(*args, **kwargs)
-
-
-@functools.lru_cache(maxsize=1)
-def environment():
-    """The one sandboxed Jinja environment (see the module docstring)."""
-    try:
-        import jinja2
-        from jinja2 import ext
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-    except ImportError:
-        raise ConfigError("rendering a model's chat template needs jinja2 >= 3.1.6 (pip install 'mlx_llm[hf]')"
-                          ) from None
-
-    class Sandbox(ImmutableSandboxedEnvironment):
-        def unsafe_undefined(self, obj, attribute):
-            raise jinja2.exceptions.SecurityError(
-                f"access to attribute {attribute!r} of a {type(obj).__name__!r} object is unsafe")
-
-    class Generation(ext.Extension):
-        tags = {"generation"}  # transformers' marker of assistant text; the spans are located without it
-
-        def parse(self, parser):
-            next(parser.stream)
-            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
-
-    class Namespace(jinja2.utils.Namespace):
-        def __init__(*args, **kwargs):  # noqa: N805  (jinja's own signature: self travels in args)
-            for name in dict(*args[1:], **kwargs):
-                Namespace._check(name)
-            jinja2.utils.Namespace.__init__(*args, **kwargs)
-
-        def __setitem__(self, name, value):
-            Namespace._check(name)
-            jinja2.utils.Namespace.__setitem__(self, name, value)
-
-        @staticmethod
-        def _check(name):
-            if isinstance(name, str) and name.startswith("_"):
-                raise jinja2.exceptions.SecurityError(f"a namespace attribute may not start with '_': {name!r}")
-
-    env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, ext.loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, dict=_DictMaker(),
-                       namespace=Namespace)
-    return env
-
-
-@functools.lru_cache(maxsize=16)
-def _compiled(source: str):
-    return environment().from_string(source)
-
-
-def compile_template(source: str, where: str):
-    """The compiled template; a syntax error is one DataError line naming ``where`` (the file) and the line."""
-    environment()  # a clear error when jinja2 is missing
-    import jinja2
-
+def compile_template(source: str, where: str) -> str:
+    """``source``, checked to compile (in the sandbox process); a syntax error is one DataError line naming
+    ``where`` (the file) and the line, a source beyond the size limit one line too."""
+    sandbox = _sandbox()
     if not isinstance(source, str):
         raise DataError(f"{where}: chat_template must be a Jinja source string, got {type(source).__name__}")
     try:
-        return _compiled(source)
-    except jinja2.exceptions.TemplateSyntaxError as err:
+        sandbox.compile_source(source)
+    except sandbox.TemplateSyntax as err:
         raise DataError(f"{where}: the chat template is not valid Jinja (template line {err.lineno}: "
                         f"{err.message})") from None
+    except sandbox.TemplateLimit as err:
+        raise DataError(f"{where}: the chat template is refused: {err}") from None
+    return source
 
 
-def render(template, where: str, messages, *, generation_prompt: bool, tokens: dict) -> str:
-    """One rendering. The template's ``raise_exception`` and its runtime failures are InputErrors (this
-    conversation is refused); the sandbox's refusal is a DataError (the template itself is unsafe)."""
-    import jinja2
-
+def render(source: str, where: str, messages, *, generation_prompt: bool, tokens: dict) -> str:
+    """One rendering, in the sandbox process (data/template_sandbox.py: a deadline, a memory cap, an output
+    limit). The template's ``raise_exception``, its runtime failures and a rendering past a limit are InputErrors
+    (this conversation is refused); the sandbox's refusal of an unsafe operation is a DataError (the template
+    itself is unsafe)."""
+    sandbox = _sandbox()
+    context = dict(messages=[dict(m) for m in messages], tools=None, documents=None,
+                   add_generation_prompt=bool(generation_prompt), **tokens)
     try:
-        return template.render(messages=[dict(m) for m in messages], tools=None, documents=None,
-                               add_generation_prompt=bool(generation_prompt), **tokens)
-    except TemplateRefusal as err:
+        return sandbox.render(source, context)
+    except sandbox.TemplateRefusal as err:
         raise InputError(f"the chat template refuses this conversation: {err}") from None
-    except jinja2.exceptions.SecurityError as err:
+    except sandbox.TemplateUnsafe as err:
         raise DataError(f"{where}: the chat template was stopped by the sandbox ({err}); unsafe template "
                         f"operations are refused, never run") from None
-    except Exception as err:  # template code fails like any code: UndefinedError, TypeError, …
-        raise InputError(f"the chat template failed on this conversation ({type(err).__name__}: {err})") from None
+    except sandbox.TemplateLimit as err:
+        raise TemplateTooCostly(f"the chat template is stopped on this conversation: {err}") from None
+    except sandbox.TemplateFailure as err:
+        raise InputError(f"the chat template failed on this conversation ({err})") from None
 
 
 def locate_contents(text: str, probe: str, contents: list[str]) -> list | None:
@@ -224,6 +166,8 @@ class JinjaTemplate:
         try:
             text = self._render([{"role": "user", "content": PLACEHOLDER.format(0)},
                                  {"role": "assistant", "content": reply}], False)
+        except TemplateTooCostly as err:
+            raise DataError(f"{self.where}: the chat template is refused: {str(err).partition(': ')[2]}") from None
         except InputError:
             return tok.roles["eos"]
         match = tok.special_pattern.match(text, text.find(reply) + len(reply)) if reply in text else None

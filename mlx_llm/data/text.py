@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 DEFAULT_EXTENSIONS = (".py", ".txt", ".md")
 STDLIB_EXCLUDED_DIRS = ("site-packages", "__pycache__", "test", "tests", "idle_test")
 DEFAULT_VAL_PERCENT = 5.0
+DEFAULT_TEXT_FIELD = "text"  # the field a record's text is read from (``--text-field``)
 _DECODE_POLICIES = ("skip", "replace", "error")
 SPLITS = ("train", "val")
 
@@ -266,8 +267,12 @@ def _dataset_sources(name: str, p: Path) -> list[Source]:
             for part, split in sources_lib.dataset_parts(p)]
 
 
+TOKEN_FILE_SUFFIXES = (".bin", ".npy")  # token-id shards (data/tokens.py): never text
+
+
 def _walk(root: Path, extensions: tuple[str, ...], excluded: Sequence[str] = (), records: bool = True,
-          prefix: str = "") -> list[Source]:
+          prefix: str = "", shards: list | None = None) -> list[Source]:
+    """The sources under ``root``; token-id shards met on the way are listed in ``shards`` (when given)."""
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
         here = Path(dirpath)
@@ -276,7 +281,9 @@ def _walk(root: Path, extensions: tuple[str, ...], excluded: Sequence[str] = (),
             dirnames.remove(d)
             found.extend(_dataset_sources(prefix + (here / d).relative_to(root).as_posix(), here / d))
         for f in filenames:
-            if (records and sources_lib.record_kind(f)) or Path(f).suffix.lower() in extensions:
+            if shards is not None and Path(f).suffix.lower() in TOKEN_FILE_SUFFIXES:
+                shards.append(here / f)
+            elif (records and sources_lib.record_kind(f)) or Path(f).suffix.lower() in extensions:
                 p = here / f
                 found.append(_file_source(prefix + p.relative_to(root).as_posix(), p))
     return found
@@ -301,7 +308,12 @@ def find_sources(path=None, extensions: Sequence[str] = DEFAULT_EXTENSIONS) -> t
         elif sources_lib.is_saved_dataset(p):
             found, where = _dataset_sources(p.name, p), f"the saved dataset {p}"
         elif p.is_dir():
-            found, where = _walk(p, exts), f"files ending in {', '.join(exts)} under {p}"
+            shards = []
+            found, where = _walk(p, exts, shards=shards), f"files ending in {', '.join(exts)} under {p}"
+            if shards:
+                raise DataError(f"{p} holds token-id shards ({shards[0].name}{', …' if len(shards) > 1 else ''}): a "
+                                f"directory is read as text, and a run reads text or token ids, not both; give the "
+                                f"shards as --data '{p}/*{shards[0].suffix}', or move them out of the text")
         elif p.exists():
             raise DataError(f"data path {p} is not a regular file or a directory (a named pipe, socket or device?): "
                             f"only regular files are read")
@@ -322,12 +334,12 @@ def _glob(pattern: str, exts: tuple[str, ...]) -> list[Source]:
     found = []
     for m in sorted(globlib.glob(pattern, recursive=True)):
         p = Path(m)
-        if p.is_file():
-            found.append(_file_source(p.as_posix(), p))
-        elif sources_lib.is_saved_dataset(p):
+        if sources_lib.is_saved_dataset(p):
             found.extend(_dataset_sources(p.as_posix(), p))
         elif p.is_dir():
             found.extend(_walk(p, exts, prefix=p.as_posix() + "/"))
+        elif p.exists():  # a named pipe or device too: reading skips it and counts it (``_read_text``)
+            found.append(_file_source(p.as_posix(), p))
     return found
 
 
@@ -541,6 +553,9 @@ def read_corpus(
     if not isinstance(text_field, str) or not text_field:
         raise ConfigError(f"text_field = {text_field!r} is invalid: give a field name such as 'text'")
     found, where = find_sources(path, extensions)
+    if text_field != DEFAULT_TEXT_FIELD and found and all(s.kind == "text" for s in found):
+        raise DataError(f"--text-field {text_field!r} names the text field of JSONL, parquet or saved-dataset "
+                        f"records, and {where} holds none (only plain text files): drop --text-field")
     rule = SplitRule(float(val_percent))
     scan = _scan(found, rule, where, text_field, on_decode_error)
     _report(scan.stats)

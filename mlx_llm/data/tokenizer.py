@@ -36,6 +36,7 @@ import numpy as np
 
 from mlx_llm.config import umask_mode
 from mlx_llm.errors import ConfigError, DataError, InputError
+from mlx_llm.settings import JsonProblem, read_json
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 CHAT_MARKERS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
@@ -481,11 +482,12 @@ def load(path) -> Tokenizer:
     target = tokenizer_path(path)
     if not target.is_file():
         raise DataError(f"tokenizer file not found: {target} (save one with Tokenizer.save or train_bpe first)")
-    text = target.read_text(encoding="utf-8")
     try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise DataError(f"tokenizer file {target} is not valid JSON: {err}") from None
+        obj = read_json(target)
+    except JsonProblem as err:
+        if err.syntax is not None:
+            raise DataError(f"tokenizer file {target} is not valid JSON: {err.syntax}") from None
+        raise DataError(f"tokenizer file {target} cannot be used: {err.detail}") from None
     if isinstance(obj, dict) and obj.get("type") == _IDS_TYPE:
         return _load_ids(obj, target)
     if not (isinstance(obj, dict) and (obj.get("type") == _BYTE_TYPE or "model" in obj)):
@@ -494,8 +496,17 @@ def load(path) -> Tokenizer:
     if byte:
         specials, extras = obj.get("special_tokens", list(SPECIAL_TOKENS)), obj
     else:
-        specials = [t["content"] for t in obj.get("added_tokens", []) if t.get("special")]
+        added = obj.get("added_tokens", [])
+        if not isinstance(added, list) or not all(isinstance(a, dict) and isinstance(a.get("content"), str)
+                                                  for a in added):
+            raise DataError(f"tokenizer file {target}: added_tokens must be a list of objects with a 'content' "
+                            f"string")
+        specials = [a["content"] for a in added if a.get("special")]
         extras = obj.pop(EXTRAS_KEY, None) or {}
+        if not isinstance(extras, dict):
+            raise DataError(f"tokenizer file {target}: its {EXTRAS_KEY!r} block must be an object, got "
+                            f"{type(extras).__name__}")
+        text = target.read_text(encoding="utf-8")
         if extras:  # the tokenizers library refuses keys it does not know
             text = json.dumps(obj, ensure_ascii=False)
     roles, chat_template = extras.get("roles"), extras.get("chat_template")

@@ -77,7 +77,8 @@ from mlx_llm.decode.generate import generate
 from mlx_llm.model import forward, resolved
 from mlx_llm.ops import token_nll
 from mlx_llm.runs.load import as_run, checkpoint_step, load_params
-from mlx_llm.settings import write_text_atomic
+from mlx_llm.settings import check_int, write_text_atomic
+from mlx_llm.config import INT32_MAX
 from mlx_llm.data import tokenizer as tok_lib
 
 NAME = "mlx_llm"  # lm_eval --model mlx_llm
@@ -388,7 +389,10 @@ def _in_process_bootstrap():
 def evaluate_run(run, tasks, *, include=None, limit=None, num_fewshot=None, step=None, batch_size=None,
                  kernels=None, log_samples: bool = False) -> tuple[MLXLM, dict]:
     """The harness's ``simple_evaluate`` of a run's checkpoint on ``tasks``: (the model, lm_eval's results dict).
-    The task names are checked before the checkpoint is loaded."""
+    The task names, ``limit`` (≥ 1 documents per task) and ``num_fewshot`` (≥ 0) are checked before the
+    checkpoint is loaded."""
+    check_int("--limit", limit, 1, optional=True, maximum=INT32_MAX)
+    check_int("--num-fewshot", num_fewshot, 0, optional=True, maximum=INT32_MAX)
     names = task_names(tasks)
     manager = task_manager(names, include)
     lm = MLXLM(run, step=step, batch_size=batch_size, kernels=kernels)

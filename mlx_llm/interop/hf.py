@@ -31,6 +31,7 @@ from mlx_llm.runs.rundir import check_new_dir, new_dir
 from mlx_llm.runs.load import checkpoint_step, load_params, write_checkpoint_run
 from mlx_llm.runs.record import RunRecord, open_run
 from mlx_llm.data import tokenizer as tok_lib
+from mlx_llm.settings import JsonProblem, read_json
 
 WEIGHTS_FILE, INDEX_FILE, CONFIG_FILE = "model.safetensors", "model.safetensors.index.json", "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -75,7 +76,7 @@ def export_model(params: dict, cfg: ModelConfig, tok: tok_lib.Tokenizer, out_dir
     tensors = hf_weights.to_hf(params, cfg, arch)
     ids = hf_tokenizer.special_ids(tok)
     config = hf_config.to_hf(cfg, arch, ids, {"provenance": provenance or {}}, str(tensors_dtype(tensors)))
-    with new_dir(out_dir) as tmp:
+    with new_dir(out_dir, sum(t.nbytes for t in tensors.values()) + (1 << 20)) as tmp:
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         os.chmod(tmp / WEIGHTS_FILE, umask_mode())  # safetensors creates it private (0o600)
         _write_json(tmp / CONFIG_FILE, config)
@@ -109,6 +110,10 @@ def export_run(run_dir, out_dir, *, step: int | None = None) -> Path:
     hf_config.architecture(cfg)  # refuse before restoring anything
     check_new_dir(Path(out_dir), "export directory")
     tok = hf_tokenizer.run_tokenizer(run.path, run.record.template)  # with the run's chat template
+    if tok.external:
+        raise ConfigError(f"cannot export {run.path}: it was trained on token ids whose tokenizer it does not hold "
+                          f"(an IdTokenizer); a transformers checkpoint needs its tokenizer: train with --tokenizer "
+                          f"PATH (the tokenizer the ids were made with) to export")
     step = checkpoint_step(run, step)
     params = load_params(run, step)
     provenance = {"run": str(run.path.resolve()), "step": step,
@@ -141,28 +146,45 @@ def _read_config(hf_dir: Path) -> dict:
     if not path.is_file():
         raise CheckpointError(f"{str(hf_dir)!r} is not a transformers checkpoint directory: it has no {CONFIG_FILE}")
     try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path} cannot be read as JSON: {exc}") from None
+        obj = read_json(path)
+    except JsonProblem as exc:
+        raise CheckpointError(f"{path} cannot be read as JSON: {exc.detail}"
+                              + (f" (line {exc.line})" if exc.line else "")) from None
     if not isinstance(obj, dict):
         raise CheckpointError(f"{path} is not a JSON object")
     return obj
 
 
+def inside(hf_dir: Path, name, what: str) -> Path:
+    """``hf_dir / name`` for a file name read from the checkpoint directory (untrusted): it must resolve, links
+    followed, to a regular file inside ``hf_dir``; anything else is refused by name."""
+    if not isinstance(name, str) or not name:
+        raise CheckpointError(f"{what} names {name!r}, not a file name")
+    root = hf_dir.resolve()
+    path = (hf_dir / name).resolve()
+    if Path(name).is_absolute() or not path.is_relative_to(root):
+        raise CheckpointError(f"{what} names {name!r}, which is outside {hf_dir}: a checkpoint directory's files "
+                              f"must lie inside it")
+    if not path.is_file():
+        raise CheckpointError(f"{what} names {name!r}, which is not a file in {hf_dir}")
+    return path
+
+
 def weight_files(hf_dir: Path) -> list[Path]:
-    """``model.safetensors``, or the shards named by ``model.safetensors.index.json``."""
-    if (hf_dir / WEIGHTS_FILE).is_file():
-        return [hf_dir / WEIGHTS_FILE]
+    """``model.safetensors``, or the shards named by ``model.safetensors.index.json`` (each inside ``hf_dir``)."""
+    if (hf_dir / WEIGHTS_FILE).exists():
+        return [inside(hf_dir, WEIGHTS_FILE, str(hf_dir))]
     if (hf_dir / INDEX_FILE).is_file():
         try:
-            weight_map = json.loads((hf_dir / INDEX_FILE).read_text(encoding="utf-8"))["weight_map"]
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{hf_dir / INDEX_FILE} is not a safetensors index ({exc})") from None
-        files = [hf_dir / name for name in sorted(set(weight_map.values()))]
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise CheckpointError(f"{hf_dir / INDEX_FILE} names shard(s) {missing} that are not in {hf_dir}")
-        return files
+            index = read_json(hf_dir / INDEX_FILE)
+        except JsonProblem as exc:
+            raise CheckpointError(f"{hf_dir / INDEX_FILE} is not a safetensors index ({exc.detail})") from None
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{hf_dir / INDEX_FILE} is not a safetensors index: its weight_map must be an "
+                                  f"object mapping tensor names to shard file names")
+        names = sorted(set(weight_map.values()))
+        return [inside(hf_dir, name, str(hf_dir / INDEX_FILE)) for name in names]
     pickles = [name for name in PICKLE_FILES if (hf_dir / name).exists()]
     if pickles:
         raise CheckpointError(f"{hf_dir} holds only {pickles[0]} (a pickled torch checkpoint): import reads "

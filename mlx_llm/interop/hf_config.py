@@ -238,7 +238,17 @@ def from_hf(hf: dict, arch: str, source: str) -> ModelConfig:
     defaults where a key is absent); the rest from our ``"mlx_llm"`` block when present, else our defaults."""
     block = mlx_block(hf).get("model_config")
     block = block if isinstance(block, dict) else {}
-    mapped = _mamba_from_hf(hf, source) if arch == MAMBA else _attention_arch_from_hf(hf, arch, source)
+    for key in ("rope_parameters", "rope_scaling"):
+        if hf.get(key) is not None and not isinstance(hf[key], dict):
+            raise ConfigError(f"{source}: {key} = {hf[key]!r} is invalid: it must be an object (e.g. "
+                              f'{{"rope_type": "linear", "factor": 2.0}}) or null')
+    try:
+        mapped = _mamba_from_hf(hf, source) if arch == MAMBA else _attention_arch_from_hf(hf, arch, source)
+    except (TypeError, ValueError, KeyError, ZeroDivisionError, OverflowError, AttributeError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"{source}: a field of the {CLASSES[arch]} config has a value of the wrong kind or range "
+                          f"({type(exc).__name__}: {exc})") from None
     ffn = {MAMBA: ("none",), **{a: ("moe",) for a in MOE_ARCHS}}.get(arch, ("swiglu",))
     fixed = {"ffn_pattern": ffn, **PINNED[arch], **({"mixer_pattern": ("mamba",)} if arch == MAMBA else {})}
     carried = {k: v for k, v in block.items() if k in CARRIED and k not in mapped and k not in fixed}

@@ -119,6 +119,9 @@ def to_hf(params: dict, cfg: ModelConfig, arch: str) -> dict[str, np.ndarray]:
 
 
 # ----- transformers → ours -----------------------------------------------------------------------------------
+FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})  # what import reads (as float32)
+
+
 class Reader:
     """Takes tensors by name, checking shapes, and remembers what was taken (leftovers are refused)."""
 
@@ -129,14 +132,26 @@ class Reader:
         return name in self.tensors
 
     def take(self, name: str, shape: tuple) -> np.ndarray:
+        """The tensor ``name`` of ``shape`` as float32: only the floating dtypes of ``FLOAT_DTYPES`` are read (a
+        float32 copy, exact but for float64's rounding), and every value must be finite; anything else is refused
+        by name."""
         if name not in self.tensors:
             raise CheckpointError(f"{self.source}: tensor {name!r} is missing (expected shape {shape})")
         value = self.tensors[name]
         if tuple(value.shape) != tuple(shape):
             raise CheckpointError(f"{self.source}: tensor {name!r} has shape {tuple(value.shape)}, the config "
                                   f"implies {tuple(shape)}")
+        if np.dtype(value.dtype).name not in FLOAT_DTYPES:
+            raise CheckpointError(f"{self.source}: tensor {name!r} is {np.dtype(value.dtype).name}, not a floating "
+                                  f"type: weights are read from {sorted(FLOAT_DTYPES)} only (quantized or integer "
+                                  f"checkpoints are not imported)")
+        out = np.asarray(value).astype(self.dtype, copy=False)
+        bad = int(np.size(out) - np.count_nonzero(np.isfinite(out)))
+        if bad:
+            raise CheckpointError(f"{self.source}: tensor {name!r} holds {bad:,} non-finite value(s) (NaN or ±inf): "
+                                  f"the checkpoint is damaged; nothing was imported")
         self.taken.add(name)
-        return np.asarray(value).astype(self.dtype, copy=False)
+        return out
 
     def linear(self, name: str, d_in: int, d_out: int) -> np.ndarray:
         """nn.Linear weight (out, in) → our (in, out)."""

@@ -112,7 +112,7 @@ def dpo_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, settings
     exact match before and after. Everything is checked before the run directory is created
     (``prologue.start``); on resume everything is read back from the run."""
     st = prologue.start(run_dir, "dpo", base_run, tcfg=tcfg, settings=settings, lora_cfg=lora_cfg, resume=resume,
-                        changes=changes, from_step=from_step)
+                        changes=changes, from_step=from_step, options=options)
     base, tcfg, s, lora_cfg = st.base, st.tcfg, st.settings, st.lora_cfg
     data_ = pairs_lib.load_pairs(base, tcfg, data=s.data, task=s.task, n_train=s.n_train,
                                  model_negatives=s.model_negatives)

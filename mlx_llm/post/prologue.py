@@ -151,12 +151,13 @@ def check_base_unchanged(run, base: Base) -> None:
 
 def start(run_dir, kind: str, base_run=None, *, tcfg: TrainConfig | None = None, settings=None,
           lora_cfg: LoRAConfig | None = None, resume: bool | Resume = False, changes: dict | None = None,
-          from_step: int | None = None) -> Start:
+          from_step: int | None = None, options=None) -> Start:
     """The one prologue of every fine-tuning run, before anything is written: a new run's directory is checked
     (empty or new, no other run in it); a resume (``resume`` True, or the ``Resume`` the command line checked) is
     accepted by the one rule (runs/resume.py) and everything else is read back from the run (``changes``,
     ``from_step``: ``open_resume``); the base is loaded (on resume, still at the step the run started from), the
-    reference too, and the training window checked against the base model."""
+    reference too, and the training window checked against the base model (and ``options``, the run's
+    ``RunOptions``, against its steps)."""
     run_dir = Path(run_dir)
     if resume:
         if not isinstance(resume, Resume):
@@ -173,6 +174,8 @@ def start(run_dir, kind: str, base_run=None, *, tcfg: TrainConfig | None = None,
     if resume is not None:
         check_base_unchanged(resume.run, base)
     check_seq_len(base.cfg, tcfg, "the base model")
+    if options is not None:
+        options.check_steps(tcfg.steps)
     reference = getattr(settings, "reference", None)
     ref = base if reference is None else load_base(reference)
     check_same_model(base, ref, "reference")

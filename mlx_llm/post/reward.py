@@ -119,7 +119,7 @@ def reward_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, setti
     ``model_negatives`` the base's own wrong samples are rejected replies); returns held-out preference
     accuracy. On resume everything is read back from the run (``changes``, ``from_step``: ``prologue.start``)."""
     st = prologue.start(run_dir, "reward", base_run, tcfg=tcfg, settings=settings, lora_cfg=lora_cfg, resume=resume,
-                        changes=changes, from_step=from_step)
+                        changes=changes, from_step=from_step, options=options)
     base, tcfg, s, lora_cfg = st.base, st.tcfg, st.settings, st.lora_cfg
     data_ = pairs_lib.load_pairs(base, tcfg, data=s.data, task=s.task, n_train=s.n_train,
                                  model_negatives=s.model_negatives)

@@ -230,7 +230,7 @@ def rl_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, settings:
     per rollout). Held-out exact match before and after. On resume everything is read back from the run
     (``changes``, ``from_step``: ``prologue.start``)."""
     st = prologue.start(run_dir, "rl", base_run, tcfg=tcfg, settings=settings, lora_cfg=lora_cfg, resume=resume,
-                        changes=changes, from_step=from_step)
+                        changes=changes, from_step=from_step, options=options)
     base, tcfg, s, lora_cfg = st.base, st.tcfg, st.settings, st.lora_cfg
     rm = None
     if s.reward_model is not None:

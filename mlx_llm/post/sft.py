@@ -146,7 +146,7 @@ def sft_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, settings
     back from the run); returns the summary, with the held-out task accuracy before (base) and after when a task
     is given. Everything is checked before the run directory is created (``prologue.start``)."""
     st = prologue.start(run_dir, "sft", base_run, tcfg=tcfg, settings=settings, lora_cfg=lora_cfg, resume=resume,
-                        changes=changes, from_step=from_step)
+                        changes=changes, from_step=from_step, options=options)
     if st.resume is not None:
         template = prologue.run_template(st.resume.run.record)
     base, tcfg, s, lora_cfg = st.base, st.tcfg, st.settings, st.lora_cfg

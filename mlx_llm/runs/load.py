@@ -20,7 +20,7 @@ from mlx_llm import lora as lora_lib
 from mlx_llm.runs.record import Run, RunRecord, open_run, write_run
 from mlx_llm.runs.rundir import check_new_dir, checkpoints, new_dir
 from mlx_llm.data import tokenizer as tok_lib
-from mlx_llm.train.checkpoint import Checkpoints
+from mlx_llm.train.checkpoint import Checkpoints, RunHints
 from mlx_llm.train.parallel import make_mesh, replicated
 from mlx_llm.train.step import init_state, optimizer_for
 
@@ -106,14 +106,16 @@ def write_checkpoint_run(out, cfg: ModelConfig, tcfg: TrainConfig, record: RunRe
     all of it or nothing (``new_dir``)."""
     out = Path(out)
     check_new_dir(out, "run directory")
-    with new_dir(out) as tmp:
+    state = init_state(cfg, tcfg, optimizer_for(tcfg), params).replace(step=np.int32(step), data_step=np.int32(step))
+    needed = sum(int(getattr(a, "nbytes", 0)) for a in jax.tree.leaves(state)) + (1 << 20)  # + configs, tokenizer
+    with new_dir(out, needed) as tmp:
         write_run(tmp, cfg, tcfg, record)
         tok.save(tmp)
-        state = init_state(cfg, tcfg, optimizer_for(tcfg), params).replace(step=np.int32(step),
-                                                                            data_step=np.int32(step))
-        ckpts = Checkpoints(tmp)
-        ckpts.save(step, state)
-        ckpts.close()
+        ckpts = Checkpoints(tmp, hints=RunHints(resume=f"the same command again (nothing was written to {out})"))
+        try:
+            ckpts.save(step, state)
+        finally:
+            ckpts.close()  # orbax's threads stop before the temporary directory is removed
     return out
 
 

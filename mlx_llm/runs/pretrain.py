@@ -11,7 +11,7 @@ from pathlib import Path
 
 import jax
 
-from mlx_llm.config import ModelConfig, TrainConfig
+from mlx_llm.config import INT32_MAX, ModelConfig, TrainConfig
 from mlx_llm.data.corpora import open_data
 from mlx_llm.errors import ConfigError
 from mlx_llm.runs.branch import Branch, branch_configs, start_branch
@@ -46,6 +46,9 @@ def size_run(cfg: ModelConfig, tcfg: TrainConfig, sizing: Sizing, log=print) -> 
                                            sizing.param_count)
         why = (f"--tokens-per-param {sizing.tokens_per_param:g} × {n:,} {sizing.param_count} parameters / "
                f"{tokens:,} tokens/step")
+    if steps > INT32_MAX:
+        raise ConfigError(f"{why}: {steps:,} steps, more than the {INT32_MAX:,} a run's step counter holds; give a "
+                          f"smaller budget")
     sized = with_steps(tcfg, steps)
     log(f"{why}: {steps:,} steps ({steps * tokens * flops:.4g} training FLOPs, {steps * tokens:,} tokens)")
     return sized, {"sizing": {**sizing.to_dict(), "steps": steps, "flops_per_token": flops,
@@ -129,11 +132,14 @@ def train_run(run_dir, cfg: ModelConfig | None, tcfg: TrainConfig | None, spec: 
     corpus = data.build(cache_dir, progress=show_progress)
     if main:
         sync("corpus")
+    corpus.check_windows(tcfg.seq_len)  # a split too short for one window is refused before anything is written
     if time_budget is not None:
         if resume:
             raise ConfigError("--time-budget sizes a new run; a resumed run keeps the steps it was given")
         tcfg = fit_time_budget(cfg, tcfg, corpus, time_budget, log)
         step = None  # the steps changed the schedule: the loop compiles its own step
+    if options is not None:
+        options.check_steps(tcfg.steps)
     record = None if resume else RunRecord(kind="pretrain", data=spec, provenance=provenance)
     sync("checked")  # every process has checked the directory before process 0 writes to it
     with locked_run_dir(run_dir, bool(resume)):

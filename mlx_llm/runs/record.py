@@ -22,14 +22,13 @@ through ``migrate`` in memory; nothing is rewritten until the run itself writes 
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
-from mlx_llm.config import ModelConfig, TrainConfig, write_json_atomic
+from mlx_llm.config import LoRAConfig, ModelConfig, TrainConfig, write_json_atomic
 from mlx_llm.errors import CheckpointError, ConfigError
-from mlx_llm.config import LoRAConfig
 from mlx_llm.runs.configs import KIND_CONFIGS, DataSpec
+from mlx_llm.settings import JsonProblem, read_json
 
 CONFIG_FILE, TRAIN_CONFIG_FILE, RUN_FILE = "config.json", "train_config.json", "run.json"
 CHECKPOINT_DIR = "checkpoints"
@@ -167,9 +166,8 @@ def open_run(path) -> Run:
     try:
         cfg = ModelConfig.from_json(path / CONFIG_FILE)
         tcfg = TrainConfig.from_json(path / TRAIN_CONFIG_FILE)
-        record = RunRecord.from_dict(json.loads((path / RUN_FILE).read_text(encoding="utf-8")),
-                                     source=str(path / RUN_FILE))
-    except (ConfigError, OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        record = RunRecord.from_dict(read_json(path / RUN_FILE), source=str(path / RUN_FILE))
+    except (ConfigError, JsonProblem, KeyError, TypeError) as exc:
         raise CheckpointError(f"run directory {str(path)!r} is damaged: {exc}") from None
     return Run(path, cfg, tcfg, record)
 

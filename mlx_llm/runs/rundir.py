@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -22,10 +23,11 @@ from typing import Iterator
 
 import jax
 
-from mlx_llm.errors import CheckpointError
+from mlx_llm.errors import CheckpointError, MLXLLMError
 from mlx_llm.runs.record import CONFIG_FILE, Run, RunRecord, open_run
-from mlx_llm.train.checkpoint import Checkpoints, RunHints
-from mlx_llm.train.loop import RunInfo
+from mlx_llm.errors import CheckpointWriteError
+from mlx_llm.train.checkpoint import Checkpoints, RunHints, disk_full
+from mlx_llm.train.loop import RunInfo, TrainingStopped
 
 LOCK_FILE = "run.lock"
 COMMANDS = {"pretrain": "train"}  # the command that resumes a run of each kind (the others: the kind's name)
@@ -86,12 +88,57 @@ def check_new_dir(path: Path, what: str) -> None:
         raise CheckpointError(f"{what} {str(path)!r} exists and is not empty; choose a new directory")
 
 
+PARTIAL = ".mlx-partial-"  # a new directory's temporary sibling: .mlx-partial-<pid>-<digest of the name>
+
+
+def _partial_name(path: Path, pid: int) -> str:
+    """A short temporary name (a long target name stays within NAME_MAX)."""
+    return f"{PARTIAL}{pid}-{hashlib.sha1(path.name.encode()).hexdigest()[:12]}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_partials(path: Path) -> list[Path]:
+    """Remove the temporary directories that a killed writer of ``path`` left beside it (their process is gone);
+    returns them."""
+    digest = _partial_name(path, 0).rpartition("-")[2]
+    removed = []
+    for tmp in path.parent.glob(f"{PARTIAL}*-{digest}") if path.parent.is_dir() else ():
+        pid = tmp.name[len(PARTIAL):].partition("-")[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True)
+            removed.append(tmp)
+    return removed
+
+
+def check_space(path: Path, needed: int) -> None:
+    """Refuse, before anything is written, a new directory ``path`` whose files need more bytes than the disk has
+    free there (a write that fails half-way is cleaned up too; this says so first, in one line)."""
+    parent = next((p for p in [path.parent, *path.parent.parents] if p.exists()), Path("/"))
+    free = shutil.disk_usage(parent).free
+    if needed > free:
+        raise CheckpointWriteError(f"{path} needs about {needed / 1e6:,.1f} MB and {parent} has {free / 1e6:,.1f} MB "
+                                   f"free: nothing was written; free some space and run the same command again")
+
+
 @contextlib.contextmanager
-def new_dir(path: Path):
-    """Yield a temporary sibling of ``path`` to fill; on success it becomes ``path``, on failure it is removed,
-    so a failed write leaves nothing behind."""
+def new_dir(path: Path, needed: int = 0):
+    """Yield a temporary sibling of ``path`` to fill; on success it becomes ``path``, on failure (or Ctrl-C) it is
+    removed, so a failed write leaves nothing behind; one a killed process left is removed by the next writer. A
+    full disk is one ``CheckpointWriteError`` line: before anything is written when ``needed`` (bytes) does not
+    fit (``check_space``), else when the write fails."""
     path = Path(path).absolute()
-    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    remove_stale_partials(path)
+    check_space(path, needed)
+    tmp = path.with_name(_partial_name(path, os.getpid()))
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
@@ -99,9 +146,13 @@ def new_dir(path: Path):
         if path.exists():
             path.rmdir()  # empty (checked before): rename needs it gone
         os.rename(tmp, path)
+    except Exception as exc:
+        if disk_full(exc):
+            raise CheckpointWriteError(f"no space left on device writing {path}: nothing was written there; free "
+                                       f"some space and run the same command again") from None
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
 
 
 # ----- run directory checks ---------------------------------------------------------------------------------
@@ -129,13 +180,41 @@ def locked_run_dir(run_dir: Path, resume: bool):
     """Hold ``run_dir``'s lock for the rest of a run (``run_lock``; a new run's directory is created
     here, just before its first file is written) and check its contents again under the lock: another run may
     have started there since ``check_run_dir`` (of two new runs racing for one directory, the second finds the
-    first's lock or its run and is refused). In a multi-process run, process 0 holds it for all the processes."""
+    first's lock or its run and is refused). In a multi-process run, process 0 holds it for all the processes.
+
+    A new run that fails before its first checkpoint leaves nothing behind (``_undo_new_run``): the same command
+    with the mistake fixed (a lower --lr after a divergence, say) then runs as if the first had never been tried,
+    into the same --out and without --resume. A stop (SIGTERM, Ctrl-C) is not a failure: the run stays, to be
+    resumed."""
     if jax.process_index() != 0:
         yield
         return
+    existed, lock_existed = run_dir.exists(), (run_dir / LOCK_FILE).exists()
     with run_lock(run_dir):
         _check_run_dir_contents(run_dir, resume)
-        yield
+        try:
+            yield
+        except BaseException as exc:
+            if not resume and not isinstance(exc, (TrainingStopped, KeyboardInterrupt)):
+                _undo_new_run(run_dir, existed, lock_existed, exc)
+            raise
+
+
+def _undo_new_run(run_dir: Path, existed: bool, lock_existed: bool, exc: BaseException) -> None:
+    """Remove what a new run wrote when it failed before its first checkpoint (the directory itself, or what this
+    run added to the empty directory it was given), and say so in the error's message."""
+    if Checkpoints.steps_in(run_dir):
+        return
+    if not existed:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    else:
+        for child in list(run_dir.iterdir()):
+            if child.name == LOCK_FILE and lock_existed:
+                continue
+            shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink(missing_ok=True)
+    if isinstance(exc, MLXLLMError) and exc.args:
+        exc.args = (f"{exc.args[0]}; the run had no checkpoint, so nothing of it was kept: the same command runs "
+                    f"afresh into {run_dir}",) + exc.args[1:]
 
 
 # ----- the run lock -------------------------------------------------------------------------------------------

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from mlx_llm.config import ModelConfig
+from mlx_llm.config import SEED_MAX, ModelConfig
 from mlx_llm.decode.diffusion import sample
 from mlx_llm.decode.generate import generate
 from mlx_llm.errors import ConfigError
+from mlx_llm.settings import check_int
 from mlx_llm.runs.load import as_run, checkpoint_step, load_params
 from mlx_llm.data import tokenizer as tok_lib
 
@@ -36,8 +37,7 @@ def _until_eos(ids, eos_id: int):
 
 
 def check_sampling(cfg: ModelConfig, seed, beam_width) -> None:
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ConfigError(f"seed = {seed!r} is invalid: it must be an integer >= 0")
+    check_int("seed", seed, 0, maximum=SEED_MAX)
     if beam_width is not None and not 1 <= beam_width <= cfg.vocab_size:
         raise ConfigError(f"beam width = {beam_width!r} is invalid: it must be between 1 and the vocabulary size "
                           f"{cfg.vocab_size}")
@@ -59,6 +59,9 @@ def generate_from_run(run_dir, prompt: str, *, max_new_tokens: int, temperature=
     ckpt_step = checkpoint_step(run, step)
     check_sampling(cfg, seed, beam_width)
     ids = np.concatenate([tok.bos_prefix, tok.encode(prompt)]).astype(np.int32)
+    if ids.size == 0:
+        raise ConfigError("--prompt is empty and this run's tokenizer has no BOS token to start from: give the "
+                          "prompt some text (or ids)")
     if tcfg.objective == "diffusion":
         if top_k is not None or top_p is not None or beam_width is not None:
             raise ConfigError("--top-k, --top-p and --beam are autoregressive settings: a diffusion run takes "

@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -42,7 +43,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from mlx_llm.config import write_json_atomic
-from mlx_llm.errors import CheckpointError
+from mlx_llm.errors import CheckpointError, CheckpointWriteError
 
 CHECKPOINT_DIR = "checkpoints"  # a run directory's checkpoints/<step>/
 MANIFEST_FILE = "mlx_llm_sha256.json"  # inside each checkpoints/<step>/
@@ -61,11 +62,6 @@ def trusting_unverified():
         yield
     finally:
         _TRUSTED.reset(token)
-class CheckpointWriteError(CheckpointError):
-    """A checkpoint could not be written (a full disk, a failed write): the run stops there, its earlier
-    checkpoints intact. The CLI exits with status 1."""
-
-
 def _default_recovery(run_dir: Path, damaged: int, good: int) -> str:
     return f"continue from it (checkpoint {good} of {run_dir})"
 
@@ -106,6 +102,13 @@ class Checkpoints:
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
+
+    @staticmethod
+    def steps_in(run_dir) -> list[int]:
+        """The finished checkpoints' steps of ``run_dir``, listed without opening orbax or creating anything
+        (orbax's temporary and set-aside directories have non-numeric names)."""
+        root = Path(run_dir) / CHECKPOINT_DIR
+        return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit()) if root.is_dir() else []
 
     def all_steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
@@ -170,6 +173,7 @@ class Checkpoints:
         """Remove what a failed save of ``step`` left (process 0): orbax's temporary directories of the step, and
         (``committed``: the save began, so the directory is this save's) the step directory orbax committed before
         its manifest failed; the error names the step, the directory and the space needed."""
+        _settle(self._manager)  # orbax's writer threads stop before their directories are removed
         if jax.process_index() == 0:
             for path in [*([self.step_dir(step)] if committed else []), *self.directory.glob(f"{step}{ORBAX_TMP}*")]:
                 shutil.rmtree(path, ignore_errors=True)
@@ -177,7 +181,7 @@ class Checkpoints:
         earlier = [s for s in self.all_steps() if s < step]
         kept = f"checkpoint {earlier[-1]} is intact" if earlier else "no earlier checkpoint was written"
         then = f"continue with `{self.hints.resume}`"
-        if _disk_full(exc):
+        if disk_full(exc):
             free = shutil.disk_usage(self.directory).free if self.directory.exists() else 0
             return CheckpointWriteError(
                 f"no space left on device writing checkpoint {step} to {self.directory}: it needs about "
@@ -277,7 +281,27 @@ UNVERIFIED = (f"it has no checksum manifest {MANIFEST_FILE}, though this run wri
               f"was deleted, or the run stopped before writing it, so the files cannot be verified")
 
 
-def _disk_full(exc: BaseException | None) -> bool:
+def _settle(manager) -> None:
+    """Wait until orbax's background writes have ended, their errors dropped: after a failed save, its threads may
+    still be writing (and would recreate what is removed, or log tracebacks later)."""
+    def drop(record):
+        return False
+
+    loggers = [logging.getLogger(name) for name in ("concurrent.futures", "asyncio")]
+    for logger in loggers:  # the futures orbax abandoned report "event loop is closed" as they finish
+        logger.addFilter(drop)
+    try:
+        with contextlib.suppress(Exception):
+            manager.wait_until_finished()
+        for thread in [t for t in threading.enumerate() if t is not threading.current_thread()
+                       and type(t).__module__.startswith("orbax.")]:
+            thread.join(timeout=30)
+    finally:
+        for logger in loggers:
+            logger.removeFilter(drop)
+
+
+def disk_full(exc: BaseException | None) -> bool:
     """A full disk or quota anywhere in ``exc``'s chain (tensorstore reports it in its message only)."""
     for _ in range(16):  # a chain, not a cycle
         if exc is None:

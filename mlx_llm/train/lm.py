@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mlx_llm.config import ModelConfig, TrainConfig, check_seq_len, wsd_decay_steps
+from mlx_llm.config import INT32_MAX, ModelConfig, TrainConfig, check_seq_len, wsd_decay_steps
 from mlx_llm.errors import ConfigError
 from mlx_llm.model import check_tokens
 from mlx_llm.scaling.accounting import train_flops_per_token
@@ -157,6 +157,9 @@ def fit_time_budget(cfg: ModelConfig, tcfg: TrainConfig, corpus, seconds: float,
         raise ConfigError(f"time budget = {seconds!r} s is invalid: it must be a positive number of seconds")
     per_step = seconds_per_step(cfg, tcfg, corpus)
     steps = agree(max(1, int(seconds / per_step)))  # process 0's measurement decides for every process
+    if steps > INT32_MAX:
+        raise ConfigError(f"a time budget of {seconds:g} s gives {steps:,} steps at {per_step * 1e3:.2g} ms/step, more "
+                          f"than the {INT32_MAX:,} a run's step counter holds; give a smaller budget")
     log(f"time budget {seconds:g} s at {per_step * 1e3:.0f} ms/step: {steps} steps")
     return with_steps(tcfg, steps)
 

@@ -128,12 +128,27 @@ class TrainingStopped(MLXLLMError):
 
 class StopSignals:
     """SIGTERM and SIGINT while ``fit`` runs: the first one only records its name (``received``), and the loop
-    stops at the next step boundary; a second one raises KeyboardInterrupt at once. Installed from the main thread
-    only (Python delivers signals there); the previous handlers are restored on exit."""
+    stops at the next step boundary; a second one raises KeyboardInterrupt at once, except inside a checkpoint
+    write (``critical``): there it is held until the write is done, so orbax is never interrupted half-way (which
+    left its threads hung or printing tracebacks). Installed from the main thread only (Python delivers signals
+    there); the previous handlers are restored on exit."""
 
     def __init__(self):
         self.received: str | None = None
         self._previous: dict = {}
+        self._critical, self._held = 0, False
+
+    @contextlib.contextmanager
+    def critical(self):
+        """Within: a second signal is held; it raises KeyboardInterrupt when the block ends normally."""
+        self._critical += 1
+        try:
+            yield
+        finally:
+            self._critical -= 1
+        if self._critical == 0 and self._held:
+            self._held = False
+            raise KeyboardInterrupt
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():
@@ -141,9 +156,12 @@ class StopSignals:
         return self
 
     def _handle(self, signum, frame) -> None:
-        if self.received is not None:
+        if self.received is None:
+            self.received = signal.Signals(signum).name
+        elif self._critical:
+            self._held = True
+        else:
             raise KeyboardInterrupt
-        self.received = signal.Signals(signum).name
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
@@ -187,11 +205,11 @@ def read_back(pending: list, cfg: ModelConfig, run_dir: Path, last_ckpt, watch_i
                **(expert_load_metrics(load, cfg) if load is not None else {}), **watched, **host}
         bad = [k for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)]
         if bad:
-            where = (f"step {last_ckpt} in {run_dir / 'checkpoints'}" if last_ckpt is not None
-                     else "none was written yet")
+            kept = (f"the last good checkpoint is kept (step {last_ckpt} in {run_dir / 'checkpoints'})"
+                    if last_ckpt is not None else "no checkpoint had been written yet")
             raise TrainingDiverged(f"training diverged: loss = {row['loss']}, grad norm = {row['grad_norm']} at step "
-                                   f"{row['step']} (lr {row['lr']:.3g}; not finite: {bad}); the last good "
-                                   f"checkpoint is kept ({where}); lower --lr or raise --warmup-steps")
+                                   f"{row['step']} (lr {row['lr']:.3g}; not finite: {bad}); {kept}; lower --lr or "
+                                   f"raise --warmup-steps")
         rows.append(row)
     pending.clear()
     return rows
@@ -288,7 +306,8 @@ def fit(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, job: Job, state, *, 
                     profile.stop()  # the state given here was donated to the first step: nothing of it to wait for
             raise stopped
         finally:
-            ckpts.close()
+            with signals.critical():  # the save in flight finishes (its manifest) before any interrupt lands
+                ckpts.close()
 
 
 class _Session:
@@ -326,7 +345,8 @@ class _Session:
             if cad.readback:
                 self._report(cad, state)
             else:
-                self.ckpts.poll()
+                with self.signals.critical():
+                    self.ckpts.poll()
             if cad.final:
                 break
         self.bar.close()
@@ -355,12 +375,14 @@ class _Session:
         if cad.checkpoint:
             self._save(cad.done, state)
         else:
-            self.ckpts.poll()
+            with self.signals.critical():
+                self.ckpts.poll()
         self.last_time, self.last_step = time.perf_counter(), cad.done
 
     def _save(self, done: int, state) -> None:
         start = time.perf_counter()
-        self.ckpts.save(done, state)
+        with self.signals.critical():
+            self.ckpts.save(done, state)
         self.last_ckpt, self.saved_at = done, clock()
         self.checkpoint_seconds += time.perf_counter() - start
 
@@ -379,7 +401,8 @@ class _Session:
             self._report(Cadence(done, final=True, evaluate=False, checkpoint=save, readback=True), state)
         elif save:
             self._save(done, state)
-        self.ckpts.finish()
+        with self.signals.critical():
+            self.ckpts.finish()
         self.bar.close()
         name = self.signals.received or "a signal to another process"
         kept = (f"checkpoint {done} is in {self.ckpts.step_dir(done)}" if self.last_ckpt == done else

@@ -19,7 +19,7 @@ import os
 
 import jax
 
-from mlx_llm.config import ModelConfig, TrainConfig
+from mlx_llm.config import ModelConfig, TrainConfig, check_seq_len
 from mlx_llm.errors import ConfigError
 from mlx_llm.kernels import backend_platform
 from mlx_llm.kernels.ssm_scan import resolve_ssm_scan
@@ -102,6 +102,7 @@ def compile_step(cfg: ModelConfig, tcfg: TrainConfig, target: str | Target = "lo
 
 def _compile(cfg: ModelConfig, tcfg: TrainConfig, target, trainable, frozen, model_of, mask_id) -> tuple:
     """(``compile_step``'s report, the compiled step, or None when XLA refused it)."""
+    check_seq_len(cfg, tcfg)  # a window longer than the model's positions does not fit, whatever the memory
     target = resolve_target(target) if isinstance(target, str) else target
     kernels = tcfg.kernels(target.platform, resolve=True)  # refuses a kernel the target cannot run
     mesh = make_mesh(tcfg.mesh, target.devices)
