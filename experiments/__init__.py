@@ -1,4 +1,5 @@
-"""The experiments behind the README's measured numbers, each run from the repository root as a module:
+"""The experiments behind the measured numbers of docs/ (docs/measurements.md lists every result file), each run
+from the repository root as a module:
 
     python -m experiments.NAME [options]        # e.g. python -m experiments.bench_loss --quick
 

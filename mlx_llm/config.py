@@ -115,8 +115,9 @@ class ModelConfig(JsonConfig):
 
     Mamba-1 mixer (Gu & Dao 2023, M20 §19): state size N = ``ssm_state``, causal conv width W = ``ssm_conv``,
     inner width I = ``ssm_expand``·d, Δ rank R = ``ssm_dt_rank`` (unset: ⌈d/16⌉, as published); ``ssm_scan``
-    "fused" (one pass over positions, hand-written backward; fastest on CPU) or "associative" (log depth over
-    materialised (B, T, I, N) tensors): how training and prefill run the recurrence (layers/mamba.py).
+    "fused" (one pass over positions, hand-written backward; fastest on CPU), "associative" (log depth over
+    materialised (B, T, I, N) tensors), "chunked" (sequential over chunks, associative inside, memory flat in T)
+    or "auto": how training and prefill run the recurrence (layers/mamba.py, kernels/ssm_scan.py).
     """
 
     vocab_size: int

@@ -1,9 +1,10 @@
 """Recipes: the default configurations of the commands, shared by the CLI and the experiments.
 
 The main job (``mlx-llm train`` with no flags) is about 5 minutes on 2 CPU cores, ≤ 1.45 bits per byte on
-held-out stdlib files (README, "Main job"): a small model on many tokens — at this compute the loss-optimal
-model is small (U19 §8), and a 1024-token BPE spends little of it on the vocabulary. ``vocab_size`` follows the
-tokenizer. The fine-tuning and preference recipes are the defaults of ``sft`` / ``reward`` / ``dpo`` / ``rl``.
+held-out stdlib files (docs/index.md, "The main job"): a small model on many tokens — at this compute the
+loss-optimal model is small (U19 §8), and a 1024-token BPE spends little of it on the vocabulary. ``vocab_size``
+follows the tokenizer. The fine-tuning and preference recipes are the defaults of ``sft`` / ``reward`` / ``dpo`` /
+``rl``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What each ``mlx-llm`` subcommand does with its flags.
 
 The library is imported inside each command, not at the top of this module: ``mlx-llm --help`` (and a bad flag)
-then answers without importing jax (README, "Command line"). That is the one place mlx_llm imports inside
+then answers without importing jax (docs/architecture.md). That is the one place mlx_llm imports inside
 functions on purpose.
 """
 

@@ -2,7 +2,7 @@
 
 ``export_run(run_dir, out_dir)`` writes ``config.json``, ``model.safetensors``, ``tokenizer.json``,
 ``tokenizer_config.json`` and ``generation_config.json``: ``AutoModelForCausalLM.from_pretrained(out_dir)`` and
-``AutoTokenizer.from_pretrained(out_dir)`` load it (Llama, Mamba or Mixtral, see ``hf_config``).
+``AutoTokenizer.from_pretrained(out_dir)`` load it (the seven families of ``hf_config.CLASSES``).
 ``import_hf(hf_dir, run_dir)`` writes a run directory (config.json, train_config.json, run.json, tokenizer.json,
 one checkpoint) that ``mlx-llm generate / eval / sft --base`` use like any other. import(export(x)) gives back
 x's parameters and ModelConfig bit for bit.
@@ -206,7 +206,7 @@ def read_tensors(files: list[Path]) -> dict:
 
 
 def load_hf(hf_dir) -> HFModel:
-    """Read a transformers checkpoint directory (Llama, Mamba or Mixtral, safetensors) into our layout."""
+    """Read a transformers checkpoint directory (one of ``hf_config.CLASSES``, safetensors) into our layout."""
     hf_dir = Path(hf_dir)
     if not hf_dir.is_dir():
         raise CheckpointError(f"{str(hf_dir)!r} is not a directory (give a transformers checkpoint directory)")
