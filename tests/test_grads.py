@@ -58,7 +58,7 @@ def running(tie: bool):
     return cfg, as_jax(params), jnp.asarray(tokens), jnp.asarray(targets), jnp.ones(tokens.shape, bool)
 
 
-# ----- 0. no autodiff inside grads.py ----------------------------------------------------------------
+# ----- 0. no autodiff inside objectives/grads/ -------------------------------------------------------------
 
 def test_grads_module_uses_no_autodiff():
     """Every module of the grads package (objectives/grads/*.py)."""

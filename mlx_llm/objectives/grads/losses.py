@@ -88,7 +88,7 @@ def sequence_log_likelihood_backward(logits_BTV, targets_BT, mask_BT, g_B) -> ja
 def nelbo_logits_backward(logits_BTV, tokens_BT, masked_BT, t_B, mask_id: int, g_B) -> jax.Array:
     """∂/∂Λ of Σ_b g_b (1/t_b) Σ_{i masked} −log p_θ(x_i | z_t): (g_b/t_b) 1[i masked] (p − 1[v = x_i]), p the
     denoiser's softmax with the MASK logit removed, so the MASK column gets exactly 0 (MDLM's SUBS)."""
-    p_BTV = jnp.exp(denoiser_log_probs(logits_BTV, mask_id))
+    p_BTV = jnp.exp(denoiser_log_probs(jnp.asarray(logits_BTV), mask_id))
     onehot_BTV = jax.nn.one_hot(tokens_BT, logits_BTV.shape[-1], dtype=p_BTV.dtype)
     g_over_t_B = jnp.asarray(g_B, p_BTV.dtype) / t_B.astype(p_BTV.dtype)
     w_BT = jnp.asarray(masked_BT).astype(p_BTV.dtype) * g_over_t_B[:, None]
@@ -97,6 +97,7 @@ def nelbo_logits_backward(logits_BTV, tokens_BT, masked_BT, t_B, mask_id: int, g
 
 def nelbo_loss_and_backward(logits_BTV, tokens_BT, masked_BT, t_B, maskable_BT, mask_id: int):
     """(L, G_Λ) of ``diffusion_loss``: L = Σ_b NELBO_b / Σ maskable tokens, so g_b = 1/Σ maskable."""
+    logits_BTV = jnp.asarray(logits_BTV)
     n = jnp.sum(jnp.asarray(maskable_BT).astype(_acc(logits_BTV).dtype))
     loss = jnp.sum(nelbo_from_logits(logits_BTV, tokens_BT, masked_BT, t_B, mask_id)) / n
     g_B = jnp.full(tokens_BT.shape[:1], 1.0 / n)
