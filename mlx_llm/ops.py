@@ -88,26 +88,42 @@ def document_mask(segment_ids_BT: jax.Array | None, batch: int, length: int) -> 
     return segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
 
 
-def attention(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, mask_BTS: jax.Array) -> jax.Array:
-    """M20 §6 causal GQA attention: S_j = Q̃_j K̃_g(j)ᵀ/√d_h + M, A_j = softmax_row(S_j), O_j = A_j V_g(j).
-
-    Query head j reads key/value head g(j) = ⌊j / R⌋, R = H/G: heads are grouped, never averaged. The R query
-    heads of a group are stacked as M = R·T rows against that group's S keys, so both products are plain
-    batched matrix products over (B, G) with no copy of the large score tensor (the small Q/K/V/O tensors are
-    transposed instead). ``mask_BTS`` is boolean; masked scores get the most negative finite value so a fully
-    masked row (padding) gives finite, ignorable output instead of NaN.
-    """
+def attention_scores(q_BTHK: jax.Array, k_BSGK: jax.Array, mask_BTS: jax.Array) -> jax.Array:
+    """M20 §6 scores S_j = Q̃_j K̃_g(j)ᵀ/√d_h + M of every query head, (B, G, R, T, S): query head j = g·R + r reads
+    key/value head g (R = H/G). Computed in at least float32; a masked score is the most negative finite value (so
+    a fully masked row, padding, gives finite weights instead of NaN). The R query heads of a group are stacked as
+    M = R·T rows against that group's S keys, so the product is one batched matrix product over (B, G)."""
     b, t, h, k = q_BTHK.shape
     g = k_BSGK.shape[2]
     r = h // g
     acc = _accum_dtype(q_BTHK.dtype)
     q_BGMK = q_BTHK.reshape(b, t, g, r, k).transpose(0, 2, 3, 1, 4).reshape(b, g, r * t, k)
     k_BGSK = k_BSGK.transpose(0, 2, 1, 3)
-    v_BGSK = v_BSGK.transpose(0, 2, 1, 3)
     scores_BGMS = jnp.einsum("bgmk,bgsk->bgms", q_BGMK, k_BGSK, preferred_element_type=acc)
     scores_BGRTS = scores_BGMS.reshape(b, g, r, t, -1) / jnp.sqrt(jnp.asarray(k, acc))
-    scores_BGRTS = jnp.where(mask_BTS[:, None, None], scores_BGRTS, jnp.finfo(acc).min)
-    probs_BGMS = softmax(scores_BGRTS, axis=-1).astype(v_BSGK.dtype).reshape(b, g, r * t, -1)
+    return jnp.where(mask_BTS[:, None, None], scores_BGRTS, jnp.finfo(acc).min)
+
+
+def attention_weights(q_BTHK: jax.Array, k_BSGK: jax.Array, mask_BTS: jax.Array) -> jax.Array:
+    """M20 §6 A_j = softmax_row(S_j), (B, G, R, T, S): each allowed row sums to one, masked keys get weight 0."""
+    return softmax(attention_scores(q_BTHK, k_BSGK, mask_BTS), axis=-1)
+
+
+def attention(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, mask_BTS: jax.Array) -> jax.Array:
+    """M20 §6 causal GQA attention: S_j = Q̃_j K̃_g(j)ᵀ/√d_h + M, A_j = softmax_row(S_j), O_j = A_j V_g(j).
+
+    Query head j reads key/value head g(j) = ⌊j / R⌋, R = H/G: heads are grouped, never averaged. The weights are
+    ``attention_weights``; the R query heads of a group are stacked as M = R·T rows against that group's S values,
+    so O is a plain batched matrix product over (B, G) with no copy of the large weight tensor (the small Q/V/O
+    tensors are transposed instead). ``mask_BTS`` is boolean; a fully masked row (padding) gives finite, ignorable
+    output instead of NaN.
+    """
+    b, t, h, k = q_BTHK.shape
+    g = k_BSGK.shape[2]
+    r = h // g
+    acc = _accum_dtype(q_BTHK.dtype)
+    probs_BGMS = attention_weights(q_BTHK, k_BSGK, mask_BTS).astype(v_BSGK.dtype).reshape(b, g, r * t, -1)
+    v_BGSK = v_BSGK.transpose(0, 2, 1, 3)
     o_BGMK = jnp.einsum("bgms,bgsk->bgmk", probs_BGMS, v_BGSK, preferred_element_type=acc)
     return o_BGMK.reshape(b, g, r, t, k).transpose(0, 3, 1, 2, 4).reshape(b, t, h, k).astype(q_BTHK.dtype)
 

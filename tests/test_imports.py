@@ -17,7 +17,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "mlx_llm"
 # The floors, from the ground up: a room is a top-level module or package of mlx_llm.
 FLOORS = [
-    ("errors", "settings", "ops"),
+    ("errors", "settings", "ops", "gradcheck"),
     ("kernels",),
     ("layers",),
     ("config",),

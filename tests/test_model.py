@@ -13,7 +13,7 @@ from mlx_llm.objectives.loss import masked_cross_entropy
 from mlx_llm.ops import token_nll
 from mlx_llm.layers.attention import attention_output, attention_qkv
 from mlx_llm.model import hidden_states
-from mlx_llm.ops import attention, causal_mask, rms_norm, swiglu
+from mlx_llm.ops import attention, attention_scores, attention_weights, causal_mask, rms_norm, swiglu
 
 
 def close6(actual, seed_value):
@@ -41,7 +41,7 @@ def trace(ex):
     h1 = z + swiglu(y, layer["w_gate"], layer["w_up"], layer["w_down"])
     r = rms_norm(h1, p["final_norm"], cfg.norm_eps)
     return dict(h0=h0[0], x=x[0], q=q[0, :, 0], k=k[0, :, 0], v=v[0, :, 0], z=z[0], y=y[0], h1=h1[0], r=r[0],
-                layer=layer)
+                layer=layer, qkv=(q, k, v), mask=mask)
 
 
 def test_embedding_lookup(trace):
@@ -61,11 +61,19 @@ def test_rotated_queries_keys_and_values(trace):
 
 
 def test_attention_row_and_first_score(trace):
-    q, k = trace["q"], trace["k"]
-    scores = q @ k.T / jnp.sqrt(2.0)
+    """M20 §6 through ``ops.attention``'s own scores and weights (``attention_scores``/``attention_weights`` are
+    the functions ``ops.attention`` runs), and the output row O = A V that ``ops.attention`` returns."""
+    (q, k, v), mask = trace["qkv"], trace["mask"]
+    scores = attention_scores(q, k, mask)[0, 0, 0]  # batch 0, key/value head 0, query head 0: (T, S)
     close6(scores[2, 0], -0.331361)  # M20 §6
-    row = jax.nn.softmax(scores[2])
+    row = attention_weights(q, k, mask)[0, 0, 0, 2]
     close6(row, [0.201972, 0.397396, 0.400632])
+    np.testing.assert_allclose(attention(q, k, v, mask)[0, 2, 0], row @ trace["v"], rtol=0, atol=1e-15)
+    # the row read off ops.attention itself: with value rows e_r the output is the weight row (2 columns a call)
+    basis = jnp.eye(3)[None, :, None, :]  # (1, S, 1, 3): value row r is e_r
+    first, last = (attention(q, k, basis[..., cols], mask)[0, 2, 0] for cols in ([0, 1], [2, 2]))
+    close6(jnp.concatenate([first, last[:1]]), [0.201972, 0.397396, 0.400632])
+    assert np.all(np.asarray(attention(q, k, basis[..., [1, 2]], mask)[0, 0, 0]) == 0.0)  # masked: weight exactly 0
 
 
 def test_first_residual(trace):

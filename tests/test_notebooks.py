@@ -1,7 +1,8 @@
 """Execute the notebooks (each asserts the seed's numbers in its cells) with small settings.
 
 The kernel is ``python3`` of the interpreter running the tests (jupyter_client maps the spec's ``python`` to
-``sys.executable``); the notebooks are committed with their outputs stripped.
+``sys.executable``); the notebooks are committed with their outputs stripped, except ``gradient_lab.ipynb``, whose
+reports are committed to be read without running it (the test checks them as well as running it again).
 """
 
 from pathlib import Path
@@ -60,3 +61,27 @@ def test_scaling_laws_notebook_without_the_published_runs(monkeypatch, tmp_path)
     text = printed(execute("scaling_laws.ipynb", monkeypatch, MLX_LLM_RUNS_CSV=str(tmp_path / "absent.csv")))
     assert "are not on this machine" in text
     assert "L = 1.9300" in text  # everything that does not need the runs still runs and checks
+
+
+GRADIENT_LAB_LINES = ("max relative error, analytic ~ autodiff:", "ok: False; worst: layer/w_gate (analytic~autodiff)",
+                      "ok: False; worst: layer/w_gate (autodiff~central)",
+                      "failing: ['layer/ffn_norm', 'layer/w_gate', 'z']",
+                      "hybrid Mamba/MoE: analytic = autodiff = central differences on every leaf")
+
+
+def test_gradient_lab_is_committed_with_its_outputs():
+    nb = nbformat.read(NOTEBOOKS / "gradient_lab.ipynb", as_version=4)
+    nbformat.validate(nb)
+    assert nb.metadata.kernelspec.name == "python3"
+    code = [cell for cell in nb.cells if cell.cell_type == "code"]
+    assert all(cell.execution_count for cell in code), "run it and commit it with its outputs"
+    assert not any(out.get("output_type") == "error" for cell in code for out in cell.outputs)
+    text = printed(nb)
+    assert all(line in text for line in GRADIENT_LAB_LINES)
+
+
+@pytest.mark.slow
+def test_gradient_lab_notebook(monkeypatch):
+    text = printed(execute("gradient_lab.ipynb", monkeypatch))
+    assert all(line in text for line in GRADIENT_LAB_LINES)
+    assert "x64 enabled in this kernel: False" in text  # check_grads ran in float64 and gave the setting back

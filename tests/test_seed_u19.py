@@ -466,6 +466,23 @@ def test_u19_s9_quick_check_sft_loss_0_3081():
     assert loss_of([0.5, 0.5, 0.9, 0.6], mask=[0, 0, 1, 1]) == pytest.approx(loss, rel=1e-15)  # the user's don't count
 
 
+def test_u19_s9_quick_check_with_the_users_token_at_probability_0():
+    """The same quick check with the user's first token at p = 0 (a −∞ logit): the mask drops it, so the loss is
+    still −(ln 0.9 + ln 0.6)/2 ≈ 0.3081, finite in value and gradient (0 · ∞ would be NaN), and the masked
+    positions get exactly zero gradient; the sequence log-likelihood over the answer is finite too."""
+    logits, targets = true_token([0.0, 0.2, 0.9, 0.6])
+    mask = jnp.asarray([[0.0, 0.0, 1.0, 1.0]])
+    assert np.isneginf(np.asarray(logits)[0, 0, 0])
+    loss, grad = jax.value_and_grad(masked_cross_entropy)(logits, targets, mask)
+    assert round(float(loss), 4) == 0.3081
+    assert float(loss) == pytest.approx(-(math.log(0.9) + math.log(0.6)) / 2, rel=1e-14)
+    grad = np.asarray(grad)
+    assert np.all(np.isfinite(grad)) and np.all(grad[0, :2] == 0.0) and np.all(grad[0, 2:] != 0.0)
+    ll, ll_grad = jax.value_and_grad(lambda lg: sequence_log_likelihood(lg, targets, mask)[0])(logits)
+    assert float(ll) == pytest.approx(math.log(0.9) + math.log(0.6), rel=1e-14)
+    assert np.all(np.isfinite(np.asarray(ll_grad))) and np.all(np.asarray(ll_grad)[0, :2] == 0.0)
+
+
 def test_u19_s9_blame_is_masked_prediction_minus_truth():
     """Proof: "the blame on the scores at position t is m_t/Σ_s m_s (q_t − y_t): zero at every masked position"."""
     logits = jax.random.normal(jax.random.key(13), (1, 5, 7), jnp.float64)

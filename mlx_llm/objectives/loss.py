@@ -23,21 +23,30 @@ def check_loss_mask(mask_BT) -> None:
         raise InputError("the loss mask selects no target (sum of mask = 0): the mean loss is undefined (M20 §10)")
 
 
+def _masked(b_BT, nll_BT):
+    """b_t · nll_t, with a masked-out position (b_t = 0) giving exactly 0: where its target has probability 0 (a −∞
+    logit, U19 §9's prompt token that the model never writes) nll_t = ∞, and 0 · ∞ would be NaN. ``where`` also
+    sends that position a zero cotangent, so the gradient is finite too."""
+    return jnp.where(b_BT != 0, b_BT * nll_BT, 0.0)
+
+
 def masked_cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array) -> jax.Array:
     """M20 §10: L = −(1/n) Σ_t b_t log p(x_t | x_<t), n = Σ b_t over the whole batch (token-averaged).
 
-    An all-zero mask raises ``InputError`` (the mean is undefined, M20 §10).
+    An all-zero mask raises ``InputError`` (the mean is undefined, M20 §10). A masked-out position adds exactly 0,
+    in value and gradient, even where its target has probability 0 (``_masked``).
     """
     check_loss_mask(mask_BT)
     nll_BT = token_nll(logits_BTV, targets_BT)
     b_BT = jnp.asarray(mask_BT).astype(nll_BT.dtype)
-    return jnp.sum(b_BT * nll_BT) / jnp.sum(b_BT)
+    return jnp.sum(_masked(b_BT, nll_BT)) / jnp.sum(b_BT)
 
 
 def sequence_log_likelihood(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array) -> jax.Array:
-    """Per-sequence Σ_t b_t log p(x_t | x_<t) (M20 §10 chain rule; DPO's ℓ_θ(y | c), M20 §16), shape (B,)."""
+    """Per-sequence Σ_t b_t log p(x_t | x_<t) (M20 §10 chain rule; DPO's ℓ_θ(y | c), M20 §16), shape (B,); masked-out
+    positions add exactly 0 (``_masked``)."""
     nll_BT = token_nll(logits_BTV, targets_BT)
-    return -jnp.sum(jnp.asarray(mask_BT).astype(nll_BT.dtype) * nll_BT, axis=-1)
+    return -jnp.sum(_masked(jnp.asarray(mask_BT).astype(nll_BT.dtype), nll_BT), axis=-1)
 
 
 def perplexity(loss_nats):

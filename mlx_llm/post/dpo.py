@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from mlx_llm.config import LoRAConfig, TrainConfig
+from mlx_llm.objectives.preference import (  # noqa: F401 (the equations live there)
+    margin, loss_from_margin, dpo_loss, pair_weight)
 from mlx_llm.eval.replies import eval_task
 from mlx_llm.post import pairs as pairs_lib
 from mlx_llm.post import prologue
@@ -26,27 +28,6 @@ from mlx_llm.runs.configs import DPOConfig
 from mlx_llm.train.metrics import write_summary
 from mlx_llm.train.preflight import compiled_update
 from mlx_llm.train.step import moe_offsets
-
-
-# ----- the equations ------------------------------------------------------------------------------------------
-def margin(lp_chosen, lp_rejected, ref_chosen, ref_rejected, beta):
-    """m = β [(ℓ_θ(y⁺) − ℓ_ref(y⁺)) − (ℓ_θ(y⁻) − ℓ_ref(y⁻))]: the implicit reward margin (U19 §13)."""
-    return beta * ((lp_chosen - ref_chosen) - (lp_rejected - ref_rejected))
-
-
-def loss_from_margin(m):
-    """−log σ(m) = softplus(−m), stable for any m."""
-    return jax.nn.softplus(-m)
-
-
-def dpo_loss(lp_chosen, lp_rejected, ref_chosen, ref_rejected, beta):
-    """Per-pair DPO loss (M20 §16)."""
-    return loss_from_margin(margin(lp_chosen, lp_rejected, ref_chosen, ref_rejected, beta))
-
-
-def pair_weight(m, beta):
-    """β σ(−m): how hard a pair pushes (∂L/∂ℓ_θ(y⁺) = −β σ(−m), U19 §13)."""
-    return beta * jax.nn.sigmoid(-m)
 
 
 # ----- in a model ---------------------------------------------------------------------------------------------

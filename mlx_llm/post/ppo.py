@@ -30,52 +30,14 @@ import numpy as np
 import optax
 
 from mlx_llm.errors import ConfigError
+from mlx_llm.objectives.preference import (  # noqa: F401 (the equations live there)
+    gae, token_rewards, token_losses)
 from mlx_llm.settings import check_number
 from mlx_llm.model import hidden_states, nll_from_hidden, resolved
 from mlx_llm.ops import rms_norm
 from mlx_llm.post import prologue
 from mlx_llm.runs.configs import RLConfig
 from mlx_llm.runs.load import trainable_tree
-
-
-# ----- the equations ------------------------------------------------------------------------------------------
-def gae(rewards_BT, values_BT, mask_BT, *, gamma: float = 1.0, lam: float = 0.95):
-    """(A, G): generalised advantages and returns over each row's reply tokens (``mask_BT``, one contiguous run
-    per row); the value after a row's last reply token is 0. Zero outside the reply."""
-    mask = mask_BT.astype(values_BT.dtype)
-
-    def back(carry, xs):
-        next_adv, next_value = carry
-        r, v, m = xs
-        delta = r + gamma * next_value - v
-        adv = m * (delta + gamma * lam * next_adv)
-        return (adv, m * v), adv
-
-    zero = jnp.zeros(values_BT.shape[0], values_BT.dtype)
-    xs = (rewards_BT.astype(values_BT.dtype).T[::-1], values_BT.T[::-1], mask.T[::-1])
-    adv_BT = jax.lax.scan(back, (zero, zero), xs)[1][::-1].T
-    return adv_BT, mask * (adv_BT + values_BT)
-
-
-def token_rewards(reward_B, logp_BT, logp_ref_BT, mask_BT, beta: float):
-    """r_t = −β (log π_old − log π_ref) on every reply token, plus the reply's reward on its last token."""
-    mask = mask_BT.astype(logp_BT.dtype)
-    last = jnp.arange(mask.shape[1])[None, :] == (mask.shape[1] - 1 - jnp.argmax(mask[:, ::-1], axis=1))[:, None]
-    return mask * (-beta * (logp_BT - logp_ref_BT) + last * reward_B[:, None].astype(logp_BT.dtype))
-
-
-def token_losses(logp, old_logp, adv, values, old_values, returns, *, clip: float, value_clip: float) -> dict:
-    """Per-token PPO terms: the clipped surrogate's loss, the clipped value loss, whether the ratio was clipped
-    and the k3 estimate of KL(π_old ‖ π_θ) (a diagnostic)."""
-    logp, old_logp, adv, values, old_values, returns = map(jnp.asarray, (logp, old_logp, adv, values, old_values,
-                                                                          returns))
-    log_ratio = logp - old_logp
-    ratio = jnp.exp(log_ratio)
-    policy = -jnp.minimum(ratio * adv, jnp.clip(ratio, 1 - clip, 1 + clip) * adv)
-    clipped_values = old_values + jnp.clip(values - old_values, -value_clip, value_clip)
-    value = 0.5 * jnp.maximum((values - returns) ** 2, (clipped_values - returns) ** 2)
-    return {"policy_loss": policy, "value_loss": value, "clip_fraction": (jnp.abs(ratio - 1) > clip).astype(logp.dtype),
-            "approx_kl": (ratio - 1) - log_ratio}
 
 
 def check_rollout_split(rows: int, s: RLConfig, grad_accum: int) -> None:

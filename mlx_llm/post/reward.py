@@ -24,6 +24,8 @@ import numpy as np
 from mlx_llm.config import LoRAConfig, ModelConfig, TrainConfig
 from mlx_llm.errors import ConfigError
 from mlx_llm.model import hidden_states
+from mlx_llm.objectives.preference import (  # noqa: F401 (the equations live there)
+    preference_probability, bt_loss, bt_grads)
 from mlx_llm.ops import rms_norm
 from mlx_llm.post import prologue
 from mlx_llm import lora as lora_lib
@@ -36,23 +38,6 @@ from mlx_llm.runs.record import open_run
 from mlx_llm.train.metrics import write_summary
 from mlx_llm.train.preflight import compiled_update
 from mlx_llm.train.step import moe_offsets
-
-
-# ----- the equations ------------------------------------------------------------------------------------------
-def preference_probability(r_chosen, r_rejected):
-    """P(y⁺ ≻ y⁻) = σ(r⁺ − r⁻) (U19 §11)."""
-    return jax.nn.sigmoid(r_chosen - r_rejected)
-
-
-def bt_loss(r_chosen, r_rejected):
-    """−log σ(r⁺ − r⁻) per pair, as softplus(r⁻ − r⁺) (stable for any difference)."""
-    return jax.nn.softplus(r_rejected - r_chosen)
-
-
-def bt_grads(r_chosen, r_rejected):
-    """(∂L/∂r⁺, ∂L/∂r⁻) = (−σ(r⁻ − r⁺), σ(r⁻ − r⁺)), by hand."""
-    s = jax.nn.sigmoid(r_rejected - r_chosen)
-    return -s, s
 
 
 # ----- in a model ---------------------------------------------------------------------------------------------

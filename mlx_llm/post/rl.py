@@ -32,6 +32,8 @@ import optax
 
 from mlx_llm.config import LoRAConfig, TrainConfig
 from mlx_llm.errors import ConfigError
+from mlx_llm.objectives.preference import (  # noqa: F401 (the equations live there)
+    leash, shaped_rewards, group_advantages, policy_loss, leashed_loss)
 from mlx_llm.post import prologue
 from mlx_llm.post import pairs as pairs_lib
 from mlx_llm.post import ppo
@@ -44,42 +46,6 @@ from mlx_llm.data.text import epoch_order
 from mlx_llm.train.metrics import write_summary
 from mlx_llm.train.preflight import compiled_update
 from mlx_llm.train.step import moe_offsets
-
-
-# ----- the equations ------------------------------------------------------------------------------------------
-def leash(pi_ref, rewards, beta) -> dict:
-    """π* ∝ π_ref e^{r/β}, E_{π*}[r], KL(π* ‖ π_ref) and J(π*) = β ln Z (U19 §12), in the dtype of the inputs."""
-    beta = check_number("beta", beta, low=0.0, positive=True)
-    log_ref, r = jnp.log(jnp.asarray(pi_ref)), jnp.asarray(rewards)
-    log_z = jax.nn.logsumexp(log_ref + r / beta)
-    log_pi = log_ref + r / beta - log_z
-    pi = jnp.exp(log_pi)
-    # An answer the reference never gives (π_ref = 0) gets π* = 0 and adds 0·log 0 = 0 to the KL, not NaN.
-    kl_terms = jnp.where(pi > 0, pi * (log_pi - jnp.where(pi > 0, log_ref, 0.0)), 0.0)
-    return {"pi": pi, "expected_reward": jnp.sum(pi * r), "kl": jnp.sum(kl_terms), "objective": beta * log_z}
-
-
-def shaped_rewards(r, logp, logp_ref, beta):
-    """r̃ = r − β (log π_θ(y) − log π_ref(y)): the k1 KL penalty summed over the reply's tokens, no gradient."""
-    return r - beta * jax.lax.stop_gradient(logp - logp_ref)
-
-
-def group_advantages(r_PK):
-    """A = r̃ − mean of the other k − 1 rewards of the same prompt (leave-one-out), per row of (P, K)."""
-    k = r_PK.shape[-1]
-    return r_PK - (jnp.sum(r_PK, axis=-1, keepdims=True) - r_PK) / (k - 1)
-
-
-def policy_loss(logp_PK, adv_PK):
-    """−mean A · log π_θ(y): its gradient is the REINFORCE estimate of −∇J (A carries no gradient)."""
-    return -jnp.mean(jax.lax.stop_gradient(adv_PK) * logp_PK)
-
-
-def leashed_loss(logp_PK, logp_ref_PK, r_PK, beta):
-    """(loss, {kl, shaped}) of k sampled replies per prompt: shaped rewards → group advantages → policy loss."""
-    shaped = shaped_rewards(r_PK, logp_PK, logp_ref_PK, beta)
-    loss = policy_loss(logp_PK, group_advantages(shaped))
-    return loss, {"kl": jnp.mean(jax.lax.stop_gradient(logp_PK - logp_ref_PK)), "shaped_reward": jnp.mean(shaped)}
 
 
 def train_bandit(pi_ref, rewards, beta, *, k: int = 16, steps: int = 4000, lr: float = 0.05, seed: int = 0):
