@@ -38,10 +38,11 @@ def xla(q_BTHK, k_BTGK, v_BTGK):
     return causal_attention(q_BTHK, k_BTGK, v_BTGK, causal_mask(None, b, t))
 
 
-def compiled_grads(attn, q_BTHK, k_BTGK, v_BTGK, do_BTHK):
-    """The jitted (q, k, v, dO) ↦ (dq, dk, dv), compiled for these shapes."""
-    run = jax.jit(lambda q, k, v, do: jax.vjp(attn, q, k, v)[1](do))
-    return run.lower(q_BTHK, k_BTGK, v_BTGK, do_BTHK).compile()
+def compiled_grads(attn, q_BTHK, k_BTGK, v_BTGK, do_BTHK, *extra):
+    """The jitted (q, k, v, dO, *extra) ↦ (dq, dk, dv), compiled for these shapes: ``attn(q, k, v, *extra)``
+    differentiated in q, k and v only (``extra``: segment ids, say, passed as arguments rather than baked in)."""
+    run = jax.jit(lambda q, k, v, do, *rest: jax.vjp(lambda *qkv: attn(*qkv, *rest), q, k, v)[1](do))
+    return run.lower(q_BTHK, k_BTGK, v_BTGK, do_BTHK, *extra).compile()
 
 
 def measure(variants: dict, args_: tuple, repeats: int) -> dict:
@@ -50,10 +51,11 @@ def measure(variants: dict, args_: tuple, repeats: int) -> dict:
     return common.time_interleaved(calls, warmup=1, rounds=repeats)
 
 
-def inputs(b: int, t: int, h: int, g: int, kd: int):
+def inputs(b: int, t: int, h: int, g: int, kd: int, dtype=jnp.float32):
+    """Random (q, k, v, dO) of these sizes: q and dO (B, T, H, K), k and v (B, T, G, K)."""
     keys = jax.random.split(jax.random.key(0), 4)
     shapes = [(b, t, h, kd), (b, t, g, kd), (b, t, g, kd), (b, t, h, kd)]
-    return tuple(jax.random.normal(key, shape, jnp.float32) for key, shape in zip(keys, shapes))
+    return tuple(jax.random.normal(key, shape, dtype) for key, shape in zip(keys, shapes))
 
 
 def main() -> None:

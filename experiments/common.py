@@ -41,7 +41,8 @@ EXPERIMENTS = Path(__file__).resolve().parent
 REPO = EXPERIMENTS.parent
 CONFIGS = EXPERIMENTS / "configs"
 RESULTS = EXPERIMENTS / "results"
-VERSIONED = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "torch", "transformers", "libtpu")
+VERSIONED = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "torch", "transformers", "libtpu",
+             "jax-cuda12-plugin", "jax-cuda12-pjrt", "jax-cuda13-plugin", "jax-cuda13-pjrt")  # the gpu extra
 ENVIRONMENT = ("JAX_PLATFORMS", "JAX_ENABLE_X64", "XLA_FLAGS", "CUDA_VISIBLE_DEVICES", "TPU_VISIBLE_CHIPS")
 MAX_LISTED_CHANGES = 50
 LONG = 10**9  # an interval no run reaches; fit_time_budget caps it to the run's steps (evaluate once, at the end)
@@ -235,17 +236,20 @@ def load_average() -> list[float] | None:
         return None
 
 
-def provenance() -> dict:
+def provenance(device_info: dict | None = None) -> dict:
     """Where a result comes from: git state, versions, devices, command, environment, load and UTC date (no host
-    name)."""
-    return {**git_state(), "versions": versions(), "devices": devices(), "command": command_line(),
+    name). ``device_info``: the devices as a child process that ran the work reported them (``devices()``), for a
+    parent that must not start a backend itself (experiments/device_check.py)."""
+    return {**git_state(), "versions": versions(), "devices": devices() if device_info is None else device_info,
+            "command": command_line(),
             "environment": {k: os.environ[k] for k in ENVIRONMENT if k in os.environ},
             "load_average": load_average(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
 # ----- results ------------------------------------------------------------------------------------------------
-def _jsonable(value):
+def jsonable(value):
+    """``json.dumps``' ``default``: numpy and jax values as lists or numbers, paths as text, dataclasses as dicts."""
     if hasattr(value, "tolist"):  # numpy and jax scalars and arrays
         return value.tolist()
     if isinstance(value, Path):
@@ -255,19 +259,20 @@ def _jsonable(value):
     raise TypeError(f"{type(value).__name__} is not JSON serialisable")
 
 
-def save_result(name: str, payload, directory=RESULTS, *, indent: int = 2) -> Path:
+def save_result(name: str, payload, directory=RESULTS, *, indent: int = 2, device_info: dict | None = None) -> Path:
     """Write ``directory/NAME.json``: a dict payload with its keys unchanged, a list payload as ``{"rows": ...}``,
-    plus a ``provenance`` block. Written to a temporary file first, so a reader never sees half a file."""
+    plus a ``provenance`` block (``device_info``: see ``provenance``). Written to a temporary file first, so a
+    reader never sees half a file."""
     if isinstance(payload, Mapping):
         if "provenance" in payload:
             raise ValueError("the payload has its own 'provenance' key: save_result writes that one")
-        body = {**payload, "provenance": provenance()}
+        body = {**payload, "provenance": provenance(device_info)}
     else:
-        body = {"rows": list(payload), "provenance": provenance()}
+        body = {"rows": list(payload), "provenance": provenance(device_info)}
     path = Path(directory) / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(body, indent=indent, default=_jsonable) + "\n")
+    tmp.write_text(json.dumps(body, indent=indent, default=jsonable) + "\n")
     tmp.replace(path)
     return path
 

@@ -100,6 +100,13 @@ def compile_step(cfg: ModelConfig, tcfg: TrainConfig, target: str | Target = "lo
     return _compile(cfg, tcfg, target, trainable, frozen, model_of, mask_id)[0]
 
 
+def compiled_step(cfg: ModelConfig, tcfg: TrainConfig, target: str | Target = "local") -> tuple:
+    """(``compile_step``'s report, the compiled step it describes: (state, batch, None) → (state, metrics), or None
+    when XLA refused it), so a measurement runs the very program whose memory was predicted
+    (experiments/device_check.py compares the report with the device's peak)."""
+    return _compile(cfg, tcfg, target, None, None, None, None)
+
+
 def _compile(cfg: ModelConfig, tcfg: TrainConfig, target, trainable, frozen, model_of, mask_id) -> tuple:
     """(``compile_step``'s report, the compiled step, or None when XLA refused it)."""
     check_seq_len(cfg, tcfg)  # a window longer than the model's positions does not fit, whatever the memory

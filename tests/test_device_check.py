@@ -1,0 +1,160 @@
+"""experiments/device_check.py (issue 40): ``--quick`` runs every part at toy sizes on the CPU and writes the results
+file with every part present; a part that raises, crashes, hangs past its limit or is skipped is recorded with its
+reason and the next part still runs; a spent budget skips parts without starting them."""
+
+import json
+import math
+
+import pytest
+
+from experiments import device_check
+
+FAST_XLA = "--xla_backend_optimization_level=0"  # the quick run is compile-bound (tests/test_sweep.py does the same)
+
+
+@pytest.fixture
+def cpu_children(monkeypatch):
+    """The children see only the CPU (no TPU probing through the installed libtpu) and compile unoptimised code."""
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.setenv("XLA_FLAGS", FAST_XLA)
+    monkeypatch.delenv(device_check.FAULT_ENV, raising=False)
+
+
+def read(out, name="device_cpu_quick"):
+    return json.loads((out / f"{name}.json").read_text())
+
+
+@pytest.mark.slow
+def test_quick_run_measures_every_part_on_the_cpu(tmp_path, cpu_children, capsys):
+    assert device_check.main(["--quick", "--out", str(tmp_path)]) == 0
+    data = read(tmp_path)
+    assert data["order"] == list(device_check.PARTS) and data["complete"] and data["quick"]
+    assert data["provenance"]["devices"] == {"platform": "cpu", "kind": "cpu", "count": 1}
+    parts = data["parts"]
+    assert all(parts[p]["status"] == "ok" and parts[p]["result"]["summary"] for p in device_check.PARTS), parts
+
+    env = parts["environment"]["result"]
+    assert set(env["peak_flops"]) == {"bf16", "fp32", "fp32_highest"} and min(env["peak_flops"].values()) > 0
+    for name in ("training_124m", "training_1b"):
+        r = parts[name]["result"]
+        assert 0 < r["mfu"] and 0 < r["mfu_vs_environment_peak"] and math.isfinite(r["loss"])
+        assert r["memory"]["predicted_bytes"] > 0 and r["memory"]["measured_peak_bytes"] is None  # no CPU stats
+    assert parts["training_1b"]["result"]["train"]["remat"] == "full"
+
+    att = parts["attention"]["result"]
+    for path in ("flash", "pallas_gpu", "flash window 32"):  # float32 against the float32 reference
+        assert att["checks"][path]["status"] == "ok" and max(att["checks"][path]["errors"].values()) < 1e-5
+    assert att["checks"]["cudnn"]["status"] == "skipped" and "CUDA GPU" in att["checks"]["cudnn"]["reason"]
+    assert att["checks"]["pallas_gpu window 32"]["status"] == "skipped"
+    full, windowed = att["rows"]
+    assert windowed["window"] == 32 and windowed["flops"] < full["flops"]
+    assert all(full["variants"][p]["seconds"] > 0 for p in ("xla", "flash", "pallas_gpu"))
+
+    moe = parts["moe"]["result"]["variants"]
+    assert set(moe) == {"dense SwiGLU", "MoE (block-sorted)", "MoE (ragged_dot)"}
+    assert moe["dense SwiGLU"]["of_dense"] == 1.0 and all(v["active_flops_per_second"] > 0 for v in moe.values())
+    rows = parts["decode"]["result"]["rows"]
+    assert [r["batch"] for r in rows] == [1, 4] and all(r["tokens_per_second"] > 0 < r["fraction_of_bound"]
+                                                        for r in rows)
+    job = parts["main_job"]["result"]
+    assert job["steps"] == 4 and 0 < job["val_bpb"] < 9 and job["wall_seconds"] > 0
+    shown = capsys.readouterr().out
+    assert all(f"\n{p:<14} ok" in shown for p in device_check.PARTS)  # the table
+
+
+@pytest.mark.slow
+def test_failed_parts_are_recorded_and_the_next_part_runs(tmp_path, cpu_children, monkeypatch):
+    monkeypatch.setenv(device_check.FAULT_ENV,
+                       "environment:raise,training_124m:crash,training_1b:hang,attention:skip")
+    code = device_check.main(["--quick", "--only", "environment,training,attention,decode", "--out", str(tmp_path),
+                              "--time-limit", "training_1b=3"])
+    assert code == 1  # a part failed; the run went on
+    parts = read(tmp_path)["parts"]
+    assert list(parts) == ["environment", "training_124m", "training_1b", "attention", "decode"]
+    assert parts["environment"]["status"] == "failed" and "fault injected" in parts["environment"]["reason"]
+    assert any("RuntimeError" in line for line in parts["environment"]["output_tail"])  # its traceback kept
+    assert parts["training_124m"]["status"] == "failed" and "exit code 3" in parts["training_124m"]["reason"]
+    hung = parts["training_1b"]
+    assert hung["status"] == "failed" and hung["timed_out"] and "limit of 3 s" in hung["reason"]
+    assert 3 <= hung["seconds"] < 30
+    assert parts["attention"]["status"] == "skipped" and "fault injected" in parts["attention"]["reason"]
+    assert parts["decode"]["status"] == "ok" and parts["decode"]["result"]["rows"][0]["tokens_per_second"] > 0
+
+
+def test_a_spent_budget_skips_parts_without_starting_them(tmp_path, cpu_children):
+    assert device_check.main(["--quick", "--only", "environment,moe", "--budget", "1", "--out", str(tmp_path)]) == 0
+    data = read(tmp_path, "device_unknown_quick")  # no child ran, so no device kind is known
+    assert data["provenance"]["devices"] == device_check.NO_DEVICES  # and the parent did not start a backend
+    assert [r["status"] for r in data["parts"].values()] == ["skipped", "skipped"]
+    assert all("budget of 1 s was spent" in r["reason"] for r in data["parts"].values())
+
+
+def test_part_selection_and_limits():
+    assert device_check.selected("training,moe") == ["training_124m", "training_1b", "moe"]
+    assert device_check.selected(None) == list(device_check.PARTS)
+    with pytest.raises(SystemExit, match="unknown part"):
+        device_check.selected("environment,gpu")
+    args = device_check.parse_args(["--time-limit", "moe=12.5"])
+    assert device_check.limits(args)["moe"] == 12.5 and device_check.limits(args)["decode"] == 150
+    assert sum(device_check.ESTIMATES.values()) < device_check.BUDGET < 8 * 60
+
+
+def test_markdown_table_of_a_results_file(tmp_path, cpu_children, capsys):
+    device_check.main(["--quick", "--only", "moe", "--budget", "1", "--out", str(tmp_path)])
+    capsys.readouterr()
+    assert device_check.main(["--markdown", str(tmp_path / "device_unknown_quick.json")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("no device reached, jax 0.10.2") and lines[0].endswith(", quick")
+    assert lines[2] == "| part | status | seconds | estimate | result |"
+    assert lines[4] == "| moe | skipped | 0 |  | the run's budget of 1 s was spent |"
+
+
+def test_a_failing_accelerator_kernel_falls_back_to_flash(monkeypatch):
+    """The training part measures the step again with flash when the backend's attention kernel fails (a GPU
+    window is too rare to lose the MFU to one kernel), and keeps the kernel's error."""
+    from experiments import device_parts
+    from mlx_llm.config import TrainConfig
+
+    tcfg = TrainConfig(attention_impl="pallas_gpu", interpret_kernels=True)  # resolves to pallas_gpu on the CPU
+    monkeypatch.setattr(device_parts, "training_setup", lambda part, quick: (None, tcfg, 8, 1))
+    seen = []
+
+    def measure(cfg, tcfg, n, rounds, earlier):
+        seen.append(tcfg.attention_impl)
+        if tcfg.attention_impl == "pallas_gpu":
+            raise RuntimeError("Triton compilation failed\nmore")
+        return {"summary": "measured"}
+
+    monkeypatch.setattr(device_parts, "measure_training", measure)
+    out = device_parts.training_124m(True, {})
+    assert seen == ["pallas_gpu", "flash"]
+    assert out["summary"] == "measured [flash: pallas_gpu failed]"
+    assert out["fallback"] == {"attention_impl": "pallas_gpu", "error": "RuntimeError: Triton compilation failed"}
+
+
+def test_moe_part_keeps_block_against_dense_when_ragged_dot_fails(monkeypatch):
+    from experiments import device_parts
+
+    def compare(*, ragged=True, **sizes):
+        if ragged:
+            raise ValueError("ragged_dot is not supported")
+        row = {"active_flops_per_second": 2e12, "of_dense": 1.0}
+        return {"variants": {"dense SwiGLU": row, "MoE (block-sorted)": {**row, "of_dense": 0.5}}}
+
+    monkeypatch.setattr(device_parts.bench_moe, "compare", compare)
+    out = device_parts.moe(True, {})
+    assert out["ragged_dot_error"] == "ValueError: ragged_dot is not supported"
+    assert out["summary"] == "dense 2 TFLOP/s; block 0.50x, ragged_dot failed (ValueError: ragged_dot is not supported)"
+
+
+def test_the_main_job_is_compared_with_the_cpu_run_of_record():
+    """The CPU's bits/byte comes from the 700-step wsd run (README's 1.448); on the CPU, with the same val set,
+    nothing is listed as a cause of difference, and a different val set is named."""
+    from experiments import device_parts
+    from mlx_llm.recipes import MAIN_JOB_TRAIN
+
+    ref = device_parts.cpu_reference()
+    assert round(ref["val_bpb"], 3) == 1.448 and ref["val_bytes"] == 378_072
+    assert device_parts.differences({"val_bytes": 378_072}, ref, MAIN_JOB_TRAIN) == []
+    why = device_parts.differences({"val_bytes": 1000}, ref, MAIN_JOB_TRAIN)
+    assert why == ["a different val set: 1000 bytes, not 378072 (another Python's standard library)"]
