@@ -4,7 +4,9 @@ conftest.py)."""
 import contextlib
 import hashlib
 import io
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import chex
@@ -47,6 +49,19 @@ def finished_tiny_run(out, corpus_dir):
     return out
 
 
+class LazyModule:
+    """An optional package (an extra) imported at first use, not when its test file is collected: the suite
+    collects quickly and without the extras, and only the tests that use a missing one are skipped."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attr):
+        import pytest
+
+        return getattr(pytest.importorskip(self._name), attr)
+
+
 def assert_trees_equal(a, b):
     chex.assert_trees_all_equal_structs(a, b)
     chex.assert_trees_all_equal(a, b)  # bitwise, leaf by leaf
@@ -63,6 +78,36 @@ def cli_in_process(*args):
         except SystemExit as exc:  # argparse errors exit
             code = exc.code
     return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
+def subprocess_env(devices: int | None = None, shared_cache: bool = True, **extra) -> dict:
+    """The environment of the suite's subprocesses: JAX on the CPU with the session's XLA flags (conftest.py: fast
+    compiles) plus ``devices`` simulated devices, and the session's compilation cache unless ``shared_cache`` is
+    False (a test of the cache's own default place); ``extra`` variables on top."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    if devices is not None:
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
+    if not shared_cache:
+        env.pop("MLX_LLM_COMPILATION_CACHE", None)
+    return {**env, **{k: str(v) for k, v in extra.items()}}
+
+
+def python(*args, devices: int | None = None, shared_cache: bool = True, env: dict | None = None,
+           timeout: float = 600, cwd=REPO, stdin: str | None = None, popen: bool = False, **popen_kw):
+    """The suite's one way to run Python in a subprocess: ``python ARGS`` (``-m mlx_llm …``, ``-c CODE …``) from the
+    repository, in ``subprocess_env`` (or ``env``), output captured as text. Returns the CompletedProcess, or with
+    ``popen`` the running Popen (stdout and stderr piped)."""
+    command = [sys.executable, *map(str, args)]
+    env = subprocess_env(devices, shared_cache) if env is None else env
+    if popen:
+        return subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                **popen_kw)
+    return subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout, input=stdin)
+
+
+def cli(*args, **kw):
+    """``mlx-llm ARGS`` in a subprocess (``python -m mlx_llm``; ``python``'s keywords)."""
+    return python("-m", "mlx_llm", *args, **kw)
 
 
 def snapshot(root: Path) -> dict:

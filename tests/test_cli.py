@@ -3,22 +3,15 @@ entry point in a subprocess; the error cases call ``cli.main`` in this process (
 ``__main__`` guard, without a ~2 s interpreter start per case), and a few of them also go through a subprocess."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import cli_in_process, snapshot
+from helpers import cli, cli_in_process, snapshot
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def cli(*args, env_extra=None, timeout=600, stdin=None):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env_extra or {})}
-    return subprocess.run([sys.executable, "-m", "mlx_llm", *map(str, args)], capture_output=True, text=True,
-                          env=env, timeout=timeout, cwd=REPO, input=stdin)
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +139,7 @@ def test_batch_not_divisible_by_devices(workspace):
     before = snapshot(workspace)
     proc = cli("train", "--data", workspace / "corpus", "--out", workspace / "new7", "--config",
                workspace / "model.json", "--tokenizer", "byte", "--batch-size", 3, "--seq-len", 16,
-               "--cache-dir", workspace / "cache2", env_extra={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+               "--cache-dir", workspace / "cache2", devices=2)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "batch_size = 3 (micro-batch 3 with grad_accum = 1) cannot be split over the 2 batch shards" in proc.stderr
     assert snapshot(workspace) == before

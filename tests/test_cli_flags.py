@@ -5,8 +5,6 @@ import argparse
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +14,7 @@ from mlx_llm.cli import parser as parser_lib
 from mlx_llm.errors import MLXLLMError
 from mlx_llm.cli.flags import given
 from mlx_llm.config import TrainConfig
-from helpers import cli_in_process
+from helpers import cli_in_process, python
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -66,7 +64,7 @@ def test_mlx_llm_help_imports_no_jax():
             "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
             "    mlx_llm.cli.main(['train', '--help'])\n"
             "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.')))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    proc = python("-c", code, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.strip().splitlines()[-1].replace("'", '"')) == []
 

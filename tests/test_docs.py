@@ -2,13 +2,11 @@
 the pages name exists, the pages that quote measurements cite where they come from, and the README stays short."""
 
 import ast
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import python, subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -46,9 +44,8 @@ def test_the_site_builds_strictly(tmp_path):
     pytest.importorskip("mkdocs")
     pytest.importorskip("mkdocstrings")
     site = tmp_path / "site"
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"),
-                           "-d", str(site)], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    proc = python("-m", "mkdocs", "build", "--strict", "-f", ROOT / "mkdocs.yml", "-d", site,
+                  env=subprocess_env(NO_MKDOCS_2_WARNING=1))
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "WARNING" not in proc.stderr, proc.stderr[-4000:]
     for png in sorted(RESULTS.glob("*.png")):  # served from experiments/results/ by docs/hooks.py

@@ -7,8 +7,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -19,7 +17,7 @@ from orbax.checkpoint._src.handlers import base_pytree_checkpoint_handler as orb
 from mlx_llm.train import checkpoint as ckpt_lib
 from mlx_llm.runs.rundir import LOCK_FILE
 from mlx_llm.train.checkpoint import MANIFEST_FILE, Checkpoints
-from helpers import TINY, cli_in_process, snapshot
+from helpers import TINY, cli_in_process, python, snapshot
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS, INTERVAL = 24, 8  # checkpoints at 8, 16, 24; a stop lands between them
@@ -90,9 +88,8 @@ def test_a_stop_signal_checkpoints_at_the_step_boundary(tmp_path, setup, sig):
     """SIGTERM / SIGINT after a few steps: the step finishes, a checkpoint is written at it (between the
     intervals), one line names it and the resume command, exit 0; --resume then gives the uninterrupted run."""
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-c", PACED, *map(str, args_for(setup, out))], cwd=REPO,
-                            env={**os.environ, "JAX_PLATFORMS": "cpu"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    # the session's shared compilation cache off: the command's own default place is under test
+    proc = python("-c", PACED, *args_for(setup, out), shared_cache=False, popen=True)
     deadline = time.time() + 300
     while proc.poll() is None and time.time() < deadline:
         if (out / "metrics.jsonl").is_file() and len((out / "metrics.jsonl").read_text().splitlines()) >= 3:

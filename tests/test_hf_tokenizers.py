@@ -8,6 +8,8 @@ import json
 import numpy as np
 import pytest
 
+from helpers import LazyModule
+
 from mlx_llm.errors import DataError
 from mlx_llm.data import hf_tokenizer
 from mlx_llm.data.chat import ChatTemplate, read_conversations
@@ -16,7 +18,7 @@ from mlx_llm.post.sft import load_data
 from mlx_llm.data.templates import JinjaTemplate, template_for
 from mlx_llm.data import tokenizer as tok_lib
 
-transformers = pytest.importorskip("transformers")
+transformers = LazyModule("transformers")  # the hf extra, imported when a test uses it
 
 CORPUS = ["What is 2 + 3? The answer is 5. Be brief, hello world: system user assistant five eight.\n"] * 30
 LLAMA_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",

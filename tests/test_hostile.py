@@ -132,17 +132,12 @@ def test_token_shards_too_short_write_nothing(tmp_path, make, message):
 
 
 def test_data_that_cannot_be_a_corpus_is_refused_before_the_run_exists(tmp_path, text_file):
-    mixed = tmp_path / "mixed"
-    mixed.mkdir()
-    shutil.copy(text_file, mixed / "a.txt")
-    np.save(mixed / "ids.npy", np.arange(100, dtype=np.uint16))
     self_ref = tmp_path / "self.json"
     self_ref.write_text(json.dumps({"sources": [{"name": "a", "path": "self.json"}]}))
     extra = tmp_path / "extra.json"
     extra.write_text(json.dumps({"sources": [{"name": "a", "path": str(text_file)}], "note": 1}))
     out = tmp_path / "run"
-    cases = [(("--data", mixed), r"holds token-id shards \(ids.npy\): a directory is read as text"),
-             (("--data", self_ref), r"source 'a' is a mixture file"),
+    cases = [(("--data", self_ref), r"source 'a' is a mixture file"),
              (("--data", extra), r"unknown key\(s\) \['note'\]; a mixture file holds only 'sources'"),
              (("--data", f"a={text_file}:1e308", f"b={text_file}:1e308"), r"sum to inf"),
              (("--data", f"a={text_file}:abc"), r"the weight 'abc' of source 'a' is not a number"),

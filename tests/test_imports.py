@@ -6,13 +6,12 @@ alone imports inside functions, so that ``mlx-llm --help`` imports no jax."""
 
 import ast
 import json
-import os
-import subprocess
-import sys
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
+
+from helpers import python
 
 PACKAGE = Path(__file__).resolve().parents[1] / "mlx_llm"
 # The floors, from the ground up: a room is a top-level module or package of mlx_llm.
@@ -168,8 +167,7 @@ def test_every_module_imports_alone():
     """Each module imported with no mlx_llm module loaded before it, in a fresh interpreter (third-party modules
     stay loaded between modules: the question is the order of mlx_llm's own imports)."""
     names = [n for n in modules() if not n.endswith("__main__")]
-    proc = subprocess.run([sys.executable, "-c", ALONE, *names], capture_output=True, text=True, timeout=600,
-                          cwd=PACKAGE.parent, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    proc = python("-c", ALONE, *names)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {}
     assert len(names) > 60

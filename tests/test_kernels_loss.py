@@ -2,9 +2,6 @@
 and its compiled forward + backward never holds a (B·T, V) array."""
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -18,6 +15,7 @@ from mlx_llm.kernels.loss import choose_chunk, chunked_token_nll
 from mlx_llm.model import hidden_states, logits_from_hidden, unembed_matrix
 from mlx_llm.ops import token_nll
 from mlx_llm.ops import dense, rms_norm
+from helpers import python
 
 B, T, D, V = 2, 5, 6, 11  # B·T = 10 rows
 TOL = {jnp.float64: dict(rtol=1e-12, atol=1e-12), jnp.float32: dict(rtol=1e-5, atol=1e-6)}
@@ -210,9 +208,7 @@ SHARDED = textwrap.dedent("""
 def test_batch_sharded_rows_are_not_gathered():
     """2 simulated devices, R split over the batch: every chunk takes rows from both devices, so the loop over
     chunks runs on each device's own rows (no all-gather of R), and the result equals the full-logits loss."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", SHARDED], env=env, capture_output=True, text=True, timeout=300,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = python("-c", SHARDED, devices=2, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["all_gathers"] == 0 and result["devices"] == 2 and result["err"] <= 1e-5, result

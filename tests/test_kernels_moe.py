@@ -12,9 +12,6 @@ the sharded check runs in a subprocess with 8 simulated CPU devices.
 
 import functools
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -29,6 +26,7 @@ from mlx_llm import ModelConfig  # noqa: E402
 from mlx_llm.errors import ConfigError, InputError  # noqa: E402
 from mlx_llm.kernels import gmm  # noqa: E402
 from mlx_llm.layers import moe  # noqa: E402
+from helpers import python
 
 N, K, D, F, X = 13, 2, 8, 6, 5
 TOL = {"float32": 1e-5, "bfloat16": 3e-2}
@@ -203,9 +201,7 @@ def test_grouped_expert_ffn_under_a_mesh_runs_per_token_shard():
     """8 simulated devices (data=2, fsdp=2, tensor=2): under ``jax.set_mesh`` the grouped products run in
     shard_map with 4 token shards, and values and gradients still equal the dense reference (also when the
     tokens do not split, and are then whole on every shard)."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", SHARDED], env=env, capture_output=True, text=True, timeout=300,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = python("-c", SHARDED, devices=8, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     for impl, r in result.items():

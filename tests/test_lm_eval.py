@@ -12,22 +12,29 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import cli_in_process, snapshot
+from helpers import LazyModule, cli_in_process, snapshot
 
 from mlx_llm.decode.generate import generate
 from mlx_llm.errors import ConfigError, InputError
 from mlx_llm.model import forward
+from mlx_llm.ops import token_nll
 from mlx_llm.objectives.loss import sequence_log_likelihood
 from mlx_llm.runs.configs import RewardConfig
 from mlx_llm.runs.load import load_params
 from mlx_llm.runs.record import BaseRef, open_run
 from mlx_llm.data import tokenizer as tok_lib
 
-lm_eval = pytest.importorskip("lm_eval")  # the eval extra; harness.py itself refuses to import without it
-from lm_eval.api.instance import Instance  # noqa: E402
-from lm_eval.tasks import TaskManager  # noqa: E402
+# the eval extra, imported when a test runs (harness.py itself refuses to import without it)
+lm_eval = LazyModule("lm_eval")
+harness = LazyModule("mlx_llm.eval.harness")
 
-from mlx_llm.eval import harness  # noqa: E402
+
+def Instance(*args):  # noqa: N802  (lm_eval's class, imported when used)
+    return LazyModule("lm_eval.api.instance").Instance(*args)
+
+
+def TaskManager(**kw):  # noqa: N802
+    return LazyModule("lm_eval.tasks").TaskManager(**kw)
 
 MC = [{"question": f"x = {a} +", "choices": [str(b), str(b + 7), "x", str(a + 1)], "label": 3 * k % 4}
       for k, (a, b) in enumerate([(12, 34), (5, 61), (80, 2), (33, 33), (7, 90), (41, 18), (66, 5), (9, 9)])]
@@ -101,10 +108,9 @@ def own(base_run):
         t = len(seq) - 1
         ids = np.asarray(seq + [tok.pad_id] * (cfg.max_seq_len + 1 - len(seq) if pad else 0), np.int32)[None]
         logits = fwd(params, ids[:, :-1], cfg)
-        mask = np.zeros(ids.shape[1] - 1)
-        mask[t - n:t] = 1.0
         greedy = bool(np.all(np.asarray(jnp.argmax(logits, -1))[0, t - n:t] == ids[0, t - n + 1:t + 1]))
-        return float(sequence_log_likelihood(logits, ids[:, 1:], mask[None])[0]), greedy
+        per_token = -np.asarray(token_nll(logits[0, t - n:t], ids[0, t - n + 1:t + 1]), np.float64)
+        return float(per_token.sum()), greedy  # float32 log-probs summed in float64, as the harness sums them
 
     ll([tok.bos_id, 120], 1)  # compiled once here, for every test of the module
     return params, cfg, tok, ll
@@ -326,7 +332,7 @@ def test_python_m_harness_runs_lm_evals_own_command_line(base_run, tasks_dir, ca
 
 def test_lm_eval_missing_is_one_line_naming_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "lm_eval", None)
-    monkeypatch.delitem(sys.modules, "mlx_llm.eval.harness")
+    monkeypatch.delitem(sys.modules, "mlx_llm.eval.harness", raising=False)
     with pytest.raises(ConfigError, match=r"lm_eval is not installed: pip install 'mlx_llm\[eval\]'"):
         importlib.import_module("mlx_llm.eval.harness")
 

@@ -1,5 +1,7 @@
 """M20 §3–§10 number by number, param counts, causality, packing, and the forward's input checks."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -152,8 +154,13 @@ def test_example_params_match_layout(ex):
 # ----- causality and packing ---------------------------------------------------------------------------
 CAUSAL_CFG = ModelConfig(vocab_size=11, d_model=8, n_layers=2, n_heads=4, n_kv_heads=2, d_head=4, d_ff=12,
                          max_seq_len=16)
-CAUSAL_PARAMS = init_params(CAUSAL_CFG, jax.random.key(1), dtype=jnp.float64)
 _fwd = jax.jit(forward, static_argnums=2)
+
+
+@functools.cache
+def causal_params():
+    """The parameters of ``CAUSAL_CFG``, built when a test needs them (not at collection)."""
+    return init_params(CAUSAL_CFG, jax.random.key(1), dtype=jnp.float64)
 
 
 @settings(max_examples=20, deadline=None)
@@ -163,8 +170,8 @@ def test_future_tokens_never_change_earlier_rows(tokens, data):
     new = data.draw(st.integers(0, 10).filter(lambda x: x != tokens[t]), label="new id")
     changed = list(tokens)
     changed[t] = new
-    a = _fwd(CAUSAL_PARAMS, jnp.array([tokens]), CAUSAL_CFG)
-    b = _fwd(CAUSAL_PARAMS, jnp.array([changed]), CAUSAL_CFG)
+    a = _fwd(causal_params(), jnp.array([tokens]), CAUSAL_CFG)
+    b = _fwd(causal_params(), jnp.array([changed]), CAUSAL_CFG)
     np.testing.assert_allclose(a[0, :t], b[0, :t], rtol=0, atol=1e-13)
     assert not np.allclose(a[0, t], b[0, t])  # the changed row itself does see it
 
@@ -175,9 +182,9 @@ def test_packed_documents_are_independent():
     tokens = jnp.array([doc1 + doc2])
     seg = jnp.array([[0] * 4 + [1] * 3])
     pos = jnp.array([[0, 1, 2, 3, 0, 1, 2]])
-    packed = forward(CAUSAL_PARAMS, tokens, CAUSAL_CFG, positions_BT=pos, segment_ids_BT=seg)
-    alone1 = forward(CAUSAL_PARAMS, jnp.array([doc1]), CAUSAL_CFG)
-    alone2 = forward(CAUSAL_PARAMS, jnp.array([doc2]), CAUSAL_CFG)
+    packed = forward(causal_params(), tokens, CAUSAL_CFG, positions_BT=pos, segment_ids_BT=seg)
+    alone1 = forward(causal_params(), jnp.array([doc1]), CAUSAL_CFG)
+    alone2 = forward(causal_params(), jnp.array([doc2]), CAUSAL_CFG)
     np.testing.assert_allclose(packed[0, :4], alone1[0], atol=1e-12)
     np.testing.assert_allclose(packed[0, 4:], alone2[0], atol=1e-12)
 
@@ -185,17 +192,17 @@ def test_packed_documents_are_independent():
 def test_blocks_are_scanned_not_unrolled():
     """One scan over the stacked layers: the jaxpr has a single scan of length L and no per-layer copies."""
     cfg = CAUSAL_CFG
-    jaxpr = jax.make_jaxpr(lambda p, t: hidden_states(p, t, cfg))(CAUSAL_PARAMS, jnp.zeros((1, 4), jnp.int32))
+    jaxpr = jax.make_jaxpr(lambda p, t: hidden_states(p, t, cfg))(causal_params(), jnp.zeros((1, 4), jnp.int32))
     scans = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
     assert len(scans) == 1 and scans[0].params["length"] == cfg.n_layers
 
 
 def test_float32_forward_close_to_float64():
-    p32 = jax.tree.map(lambda a: a.astype(jnp.float32), CAUSAL_PARAMS)
+    p32 = jax.tree.map(lambda a: a.astype(jnp.float32), causal_params())
     tokens = jnp.array([[1, 2, 3, 4, 5]])
     a = forward(p32, tokens, CAUSAL_CFG)
     assert a.dtype == jnp.float32
-    np.testing.assert_allclose(a, forward(CAUSAL_PARAMS, tokens, CAUSAL_CFG), atol=1e-5)
+    np.testing.assert_allclose(a, forward(causal_params(), tokens, CAUSAL_CFG), atol=1e-5)
 
 
 # ----- bad input ---------------------------------------------------------------------------------------
@@ -209,15 +216,15 @@ def test_float32_forward_close_to_float64():
 )
 def test_forward_rejects_bad_tokens(tokens, message):
     with pytest.raises(InputError, match=message):
-        forward(CAUSAL_PARAMS, np.asarray(tokens), CAUSAL_CFG)
+        forward(causal_params(), np.asarray(tokens), CAUSAL_CFG)
 
 
 def test_out_of_range_id_inside_jit_is_nan_not_clamped():
     """Under jit ids cannot be inspected: the gather fills NaN rather than reading a clamped row, and the NaN
     reaches the whole output (0·NaN through the masked attention), so the loss cannot look plausible."""
-    logits = _fwd(CAUSAL_PARAMS, jnp.array([[1, 2, 99]]), CAUSAL_CFG)
+    logits = _fwd(causal_params(), jnp.array([[1, 2, 99]]), CAUSAL_CFG)
     assert np.isnan(np.asarray(logits[0, 2])).all()
-    clamped = _fwd(CAUSAL_PARAMS, jnp.array([[1, 2, 10]]), CAUSAL_CFG)  # what a clamp would have read
+    clamped = _fwd(causal_params(), jnp.array([[1, 2, 10]]), CAUSAL_CFG)  # what a clamp would have read
     assert np.isfinite(np.asarray(clamped)).all()
 
 

@@ -2,9 +2,6 @@
 device, per-device parameter bytes, checkpoints across meshes, remat's compiled memory."""
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -18,6 +15,7 @@ from mlx_llm import ModelConfig
 from mlx_llm.config import MESH_AXES, TrainConfig, parse_mesh
 from mlx_llm.errors import ConfigError
 from mlx_llm.train.parallel import mesh_shape, param_spec
+from helpers import cli, python, subprocess_env
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -169,9 +167,7 @@ MESH_SCRIPT = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def eight_devices():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", MESH_SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=900, cwd=REPO)
+    proc = python("-c", MESH_SCRIPT, devices=8, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -240,16 +236,11 @@ def two_process_runs(tmp_path_factory):
         (corpus / f"f{i}.py").write_text("\n".join(" ".join(rng.choice(words, 8)) for _ in range(40)))
     (root / "model.json").write_text(json.dumps(TINY))
     common = ["-m", "mlx_llm", "train", "--data", str(corpus), "--config", str(root / "model.json"), *TRAIN_ARGS]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    single = subprocess.run([sys.executable, *common, "--out", str(root / "one"), "--cache-dir", str(root / "c1")],
-                            env={**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}, cwd=REPO,
-                            capture_output=True, text=True, timeout=600)
+    single = python(*common, "--out", root / "one", "--cache-dir", root / "c1", devices=4)
     assert single.returncode == 0, single.stderr[-3000:]
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, *common, "--out", str(root / "two"), "--cache-dir", str(root / "c2"),
-                               "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
-                              env={**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}, cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    procs = [python(*common, "--out", root / "two", "--cache-dir", root / "c2", "--coordinator", f"127.0.0.1:{port}",
+                    "--num-processes", 2, "--process-id", i, devices=2, popen=True) for i in range(2)]
     outs = [p.communicate(timeout=600) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
@@ -291,9 +282,8 @@ def test_bad_multiprocess_settings_are_refused(monkeypatch, tmp_path):
     with pytest.raises(ConfigError, match="JAX_NUM_PROCESSES = 'two' is not an integer"):
         init_distributed()
     # nothing to join (no flags, no environment, no cluster): one line, exit 2, no run directory
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")} | {"JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-m", "mlx_llm", "train", "--distributed", "--out", str(tmp_path / "r")],
-                          env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    env = {k: v for k, v in subprocess_env().items()
+           if k not in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")}
+    proc = cli("train", "--distributed", "--out", tmp_path / "r", env=env, timeout=300)
     assert proc.returncode == 2 and "cannot join a multi-process run" in proc.stderr, proc.stderr[-2000:]
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "r").exists()

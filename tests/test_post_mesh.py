@@ -2,9 +2,6 @@
 gradient accumulation give the losses of one device; `--eval-tokens` changes what post-training evaluates."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +12,7 @@ from mlx_llm.post import prologue as loop
 from mlx_llm.post import pairs as pairs_lib
 from mlx_llm.post.sft import load_data
 from mlx_llm.data.chat import ChatTemplate
+from helpers import python
 
 REPO = Path(__file__).resolve().parents[1]
 KINDS = {"reward": ["--task", "arithmetic", "--train-examples", "64", "--batch-size", "4"],
@@ -35,9 +33,7 @@ for kind, flags in kinds.items():
 
 
 def run_kinds(base: Path, out: Path, devices: int, extra: list[str]) -> dict:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT.format(kinds=KINDS, common=COMMON), str(base), str(out),
-                           *extra], env=env, cwd=REPO, capture_output=True, text=True, timeout=1200)
+    proc = python("-c", SCRIPT.format(kinds=KINDS, common=COMMON), base, out, *extra, devices=devices, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {}
     for kind in KINDS:

@@ -5,8 +5,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -19,7 +17,7 @@ from mlx_llm.runs.record import open_run
 from mlx_llm.runs.rundir import LOCK_FILE, check_run_dir, locked_run_dir, run_lock
 from mlx_llm.train.checkpoint import MANIFEST_FILE, Checkpoints
 from mlx_llm.runs.pretrain import train_run
-from helpers import TINY, finished_tiny_run, assert_trees_equal, cli_in_process, snapshot, spec_for, tiny_train
+from helpers import TINY, assert_trees_equal, cli_in_process, finished_tiny_run, python, snapshot, spec_for, tiny_train
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -77,8 +75,7 @@ def test_a_second_process_is_refused_while_the_first_holds_the_lock(tmp_path, fi
     (as a new run would, having just created it): train / train --resume / sft / dpo / rl / reward there are
     refused naming its pid and host, and change nothing. SIGKILL frees the lock: no stale lock is left."""
     out, new = copy_run(finished, tmp_path / "run"), tmp_path / "new"
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(out), str(new)], stdout=subprocess.PIPE, text=True,
-                              cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    holder = python("-c", HOLDER, out, new, popen=True)
     try:
         assert holder.stdout.readline().strip() == "held"
         who = rf"is locked by pid {holder.pid} on host \S+ \(since "

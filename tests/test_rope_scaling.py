@@ -7,18 +7,16 @@ rounded terms): |ω| itself, except for YaRN, whose blend of ω and ω/factor is
 formula (below) at rtol 1e-12. Attention factors are Python floats on both sides and compared to 1e-15.
 """
 
+import functools
 import itertools
 import math
 import re
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-import transformers
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from helpers import tiny_cfg
 from mlx_llm.errors import ConfigError
@@ -26,6 +24,20 @@ from mlx_llm.layers.rope_scaling import position_scale, rope_for, rope_tables
 from mlx_llm.ops import rope, rope_frequencies, rope_rotate
 
 F32_RTOL, F64_RTOL = 1e-6, 1e-12
+
+
+@functools.cache
+def hf():
+    """torch and transformers (the ``hf`` extra), imported when a test compares with them: the file collects, and
+    its own tests run, without them."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.llama import modeling_llama
+
+    return types.SimpleNamespace(torch=torch, transformers=transformers, ROPE_INIT_FUNCTIONS=ROPE_INIT_FUNCTIONS,
+                                 LlamaRotaryEmbedding=modeling_llama.LlamaRotaryEmbedding,
+                                 apply_rotary_pos_emb=modeling_llama.apply_rotary_pos_emb)
 
 
 # ----- the formulas, transcribed independently in float64 numpy --------------------------------------------------
@@ -73,13 +85,13 @@ def ours(d, max_seq_len=8192, **rope):
 
 def hf_config(d, max_positions, **params):
     params = {"rope_theta": params.pop("rope_theta", 10000.0), **params}
-    return transformers.LlamaConfig(hidden_size=2 * d, num_attention_heads=2, num_key_value_heads=1, head_dim=d,
+    return hf().transformers.LlamaConfig(hidden_size=2 * d, num_attention_heads=2, num_key_value_heads=1, head_dim=d,
                                     max_position_embeddings=max_positions, rope_parameters=params)
 
 
 def hf_tables(kind, config, seq_len=None):
-    omega, factor = ROPE_INIT_FUNCTIONS[kind](config, None, seq_len=seq_len)
-    assert omega.dtype == torch.float32  # the reason for the float32 tolerance
+    omega, factor = hf().ROPE_INIT_FUNCTIONS[kind](config, None, seq_len=seq_len)
+    assert omega.dtype == hf().torch.float32  # the reason for the float32 tolerance
     return omega.double().numpy(), factor
 
 
@@ -108,8 +120,8 @@ def check(cfg, hf_omega, hf_factor, np_omega_, np_factor, seq_len=None, f32_scal
 @pytest.mark.parametrize("d,base", [(64, 10000.0), (128, 500000.0), (128, 1e6)])
 def test_none_is_plain_rope(d, base):
     cfg = ours(d, rope_base=base)
-    hf = LlamaRotaryEmbedding.compute_default_rope_parameters(hf_config(d, 4096, rope_theta=base))
-    check(cfg, hf[0].double().numpy(), hf[1], np_omega(d, base), 1.0)
+    hf_omega = hf().LlamaRotaryEmbedding.compute_default_rope_parameters(hf_config(d, 4096, rope_theta=base))
+    check(cfg, hf_omega[0].double().numpy(), hf_omega[1], np_omega(d, base), 1.0)
     assert position_scale(cfg) == 1.0
     np.testing.assert_array_equal(rope_tables(cfg)[0], rope_frequencies(d, base))
 
@@ -202,7 +214,7 @@ def test_dynamic(d, factor, t0, seq_len):
     config = hf_config(d, t0, rope_type="dynamic", factor=factor)  # transformers' T₀ is max_position_embeddings
     check(cfg, *hf_tables("dynamic", config, seq_len), np_dynamic(d, 10000.0, factor, t0, seq_len), 1.0, seq_len)
     # what transformers' forward passes: a tensor, max(position_ids) + 1 (its base then rounds in float32)
-    omega_t, _ = hf_tables("dynamic", config, torch.tensor(seq_len))
+    omega_t, _ = hf_tables("dynamic", config, hf().torch.tensor(seq_len))
     np.testing.assert_allclose(rope_tables(cfg, jnp.asarray(seq_len), jnp.float64)[0], omega_t, rtol=2e-6, atol=0)
     scaled = not np.allclose(rope_tables(cfg, seq_len, jnp.float64)[0], np_omega(d, 10000.0), rtol=1e-9)
     assert scaled == (seq_len > t0)
@@ -263,9 +275,9 @@ def test_rope_for_dynamic_traced_seq_len():
 
 def _hf_rotate(config, x, positions):
     """q rotated by transformers' Llama rotary module (fresh, so its dynamic cache starts at T₀)."""
-    x_t, pos_t = torch.tensor(np.asarray(x)), torch.tensor(np.asarray(positions))
-    cos, sin = LlamaRotaryEmbedding(config)(x_t, pos_t)
-    return apply_rotary_pos_emb(x_t, x_t, cos, sin, unsqueeze_dim=2)[0].numpy()
+    x_t, pos_t = hf().torch.tensor(np.asarray(x)), hf().torch.tensor(np.asarray(positions))
+    cos, sin = hf().LlamaRotaryEmbedding(config)(x_t, pos_t)
+    return hf().apply_rotary_pos_emb(x_t, x_t, cos, sin, unsqueeze_dim=2)[0].numpy()
 
 
 @pytest.mark.parametrize("kind", ["dynamic", "yarn", "llama3"])

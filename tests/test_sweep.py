@@ -6,9 +6,6 @@ import dataclasses
 import importlib
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +15,7 @@ from mlx_llm.errors import ConfigError
 from mlx_llm.scaling.accounting import train_flops_per_token
 from mlx_llm.scaling.laws import isoflop_fit
 from mlx_llm.data import tokenizer as tok_lib
+from helpers import python
 
 REPO = Path(__file__).resolve().parents[1]
 REQUIRED = ("name", "budget", "d_model", "n_layers", "N", "N_total", "D", "C", "steps", "batch_size", "seq_len", "loss",
@@ -101,13 +99,9 @@ def test_isoflop_groups_runs_by_their_budget():
 @pytest.fixture(scope="module")
 def quick_out(tmp_path_factory):
     out = tmp_path_factory.mktemp("sweep")
-    # Unoptimised XLA code: the quick sweep is compile-bound (15 train steps, 5 evals, init ops), and this cuts
-    # its CPU time by about a third; the steps themselves run slower, which a few thousand tiny steps can afford.
-    flags = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
-    command = [sys.executable, "-m", "experiments.scaling_sweep", "--quick", "--out", str(out / "sweep"),
-               "--cache-dir", str(out / "cache")]
-    proc = subprocess.run(command, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    # the suite's fast-compile XLA flags (conftest.py): the quick sweep is compile-bound (15 train steps, 5 evals)
+    command = ["-m", "experiments.scaling_sweep", "--quick", "--out", out / "sweep", "--cache-dir", out / "cache"]
+    proc = python(*command, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out
 

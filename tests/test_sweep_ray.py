@@ -7,7 +7,6 @@ import dataclasses
 import importlib
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from mlx_llm.scaling.accounting import steps_for_flops, train_flops_per_token
+from helpers import python
 
 REPO = Path(__file__).resolve().parents[1]
 sweep_mod = importlib.import_module("experiments.scaling_sweep")  # the repository root is on sys.path (python -m)
@@ -22,10 +22,9 @@ TIMING = ("wall_seconds", "tokens_per_second")
 # Two points, the smallest sweep there is (budgets() needs two budgets): QUICK's one-layer d = 16 model on its
 # slice of the stdlib at 3e7 FLOPs (2 steps of 8 sequences) and 30× that (15 steps of 32), no bootstrap.
 TWO = {"ladder": ((16, 1),), "windows": ((0,), (0,)), "base_budget": 3e7, "batch_sizes": (8, 32), "bootstrap": 0}
-# The unoptimised XLA code of the quick test (compile-bound runs), the same in the subprocess and the Ray workers,
-# which inherit this process's environment when ray.init starts the local cluster.
-ENV = {"JAX_PLATFORMS": "cpu",
-       "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()}
+# The suite's XLA flags (conftest.py: fast compiles of the compile-bound quick runs), the same in the subprocess and
+# the Ray workers, which inherit this process's environment when ray.init starts the local cluster.
+ENV = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}
 
 
 # ----- sizing ---------------------------------------------------------------------------------------------------
@@ -88,8 +87,7 @@ def _sequential(out: Path, cache: Path) -> None:
     """The sequential path in a fresh interpreter, as the command runs it (these tests' process has float64 on)."""
     code = ("import dataclasses, sys; from pathlib import Path; from experiments import scaling_sweep as s; "
             f"s.sweep(Path(sys.argv[1]), dataclasses.replace(s.QUICK, **{TWO!r}), Path(sys.argv[2]))")
-    proc = subprocess.run([sys.executable, "-c", code, str(out), str(cache)], cwd=REPO, env={**os.environ, **ENV},
-                          capture_output=True, text=True, timeout=600, check=False)
+    proc = python("-c", code, out, cache)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 

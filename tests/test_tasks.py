@@ -2,12 +2,11 @@
 
 import hashlib
 import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
+
+from helpers import python, subprocess_env
 
 from mlx_llm.errors import ConfigError
 from mlx_llm.data import tasks as K
@@ -49,8 +48,8 @@ for task, split, n in {DIGEST_ARGS!r}:
 def test_deterministic_within_and_across_processes():
     here = [digest(K.examples(task, split, n=n)) for task, split, n in DIGEST_ARGS]
     assert here == [digest(K.examples(task, split, n=n)) for task, split, n in DIGEST_ARGS]
-    env = dict(os.environ, PYTHONHASHSEED="12345")  # another string-hash seed: hash() must play no part
-    out = subprocess.run([sys.executable, "-c", DIGESTS], env=env, capture_output=True, text=True, check=True)
+    out = python("-c", DIGESTS, env=subprocess_env(PYTHONHASHSEED=12345))  # hash() must play no part
+    assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == here
 
 

@@ -14,6 +14,7 @@ import pytest
 
 from mlx_llm.errors import CheckpointError, ConfigError, InputError
 from mlx_llm.train import trackers as tr
+from helpers import python
 
 CONFIG = {"model": {"d_model": 64, "n_layers": 2, "rope": None, "window": [4, 8]}, "train": {"lr": 3e-4, "bf16": True},
           "data": {"path": "/tmp/corpus", "extra": {}}}
@@ -323,9 +324,7 @@ def test_no_trackers_write_nothing(tmp_path):
 
 
 def test_module_imports_no_tracker_package_nor_jax():
-    import subprocess
-
     code = "import sys, mlx_llm.train.trackers; print(sorted({'jax', 'wandb', 'tensorboardX'} & set(sys.modules)))"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True,
-                          cwd=Path(__file__).resolve().parents[1])
+    proc = python("-c", code, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "[]"

@@ -2,10 +2,7 @@
 
 import json
 import math
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -20,7 +17,7 @@ from mlx_llm.errors import CheckpointError, ConfigError
 from mlx_llm.train.metrics import TrainingDiverged
 from mlx_llm.runs.load import load_params
 from mlx_llm.runs.pretrain import train_run
-from helpers import TINY, assert_trees_equal, spec_for, tiny_cfg, tiny_train
+from helpers import TINY, assert_trees_equal, cli, python, spec_for, tiny_cfg, tiny_train
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -170,26 +167,24 @@ def test_sigkill_mid_training_resumes_from_last_checkpoint(tmp_path, corpus_dir)
     TINY.to_json(model)
     out = tmp_path / "killed"
     common = ["--cache-dir", str(tmp_path / "cache"), "--no-progress"]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    args = [sys.executable, "-m", "mlx_llm", "train", "--data", str(corpus_dir), "--extensions", ".py",
+    args = ["-m", "mlx_llm", "train", "--data", str(corpus_dir), "--extensions", ".py",
             "--val-percent", "20", "--tokenizer", "byte", "--config", str(model), "--out", str(out),
             "--steps", "600", "--warmup-steps", "5", "--batch-size", "4", "--seq-len", "32", "--eval-interval",
             "600", "--eval-tokens", "256", "--checkpoint-interval", "10", "--log-interval", "10",
             "--sample-tokens", "4", *common]
-    proc = subprocess.Popen(args, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = python(*args, popen=True)
     ckpt_dir = out / "checkpoints"
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
         if ckpt_dir.is_dir() and any(p.name.isdigit() and int(p.name) >= 20 for p in ckpt_dir.iterdir()):
             break
         time.sleep(0.05)
-    assert proc.poll() is None, "the run finished or died before it could be killed: " + proc.stderr.read().decode()
+    assert proc.poll() is None, "the run finished or died before it could be killed: " + proc.stderr.read()
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     killed_at = Checkpoints(out).latest_step()
     assert killed_at is not None and 20 <= killed_at < 600
-    resumed = subprocess.run([sys.executable, "-m", "mlx_llm", "train", "--resume", "--out", str(out), *common],
-                             env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    resumed = cli("train", "--resume", "--out", out, *common)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"from step {killed_at}" in resumed.stdout
     assert Checkpoints(out).latest_step() == 600

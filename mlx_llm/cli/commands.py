@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
 import signal
 import sys
 import threading
@@ -77,8 +78,7 @@ def training_command(command):
 
         options = RunOptions(**given.get("run", {}))
         try:
-            with compilation_cache(options.compilation_cache_dir(getattr(args, "cache_dir",
-                                                                                               None))):
+            with compilation_cache(cache_directory(options, getattr(args, "cache_dir", None))):
                 return command(args, given, parser)
         except TrainingStopped as stop:
             if jax.process_index() == 0:
@@ -105,6 +105,19 @@ def sigterm_interrupts():
         yield
     finally:
         signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+CACHE_ENV = "MLX_LLM_COMPILATION_CACHE"  # the compilation cache of every command not given --compilation-cache
+
+
+def cache_directory(options: RunOptions, cache_dir=None) -> str | None:
+    """The command's compilation cache: ``--compilation-cache``, else ``$MLX_LLM_COMPILATION_CACHE`` (one cache
+    for every run of a machine, a CI job or a test session; 'off' disables it), else jax/ under ``--cache-dir``,
+    else ``~/.cache/mlx_llm/jax`` (``RunOptions.compilation_cache_dir``)."""
+    shared = os.environ.get(CACHE_ENV, "").strip()
+    if options.compilation_cache is None and shared:
+        return None if shared == "off" else str(Path(shared).expanduser().resolve())
+    return options.compilation_cache_dir(cache_dir)
 
 
 COMPILATION_CACHE_SETTINGS = {"jax_persistent_cache_min_compile_time_secs": 0.0,  # small CPU programs too

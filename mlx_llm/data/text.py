@@ -267,12 +267,8 @@ def _dataset_sources(name: str, p: Path) -> list[Source]:
             for part, split in sources_lib.dataset_parts(p)]
 
 
-TOKEN_FILE_SUFFIXES = (".bin", ".npy")  # token-id shards (data/tokens.py): never text
-
-
 def _walk(root: Path, extensions: tuple[str, ...], excluded: Sequence[str] = (), records: bool = True,
-          prefix: str = "", shards: list | None = None) -> list[Source]:
-    """The sources under ``root``; token-id shards met on the way are listed in ``shards`` (when given)."""
+          prefix: str = "") -> list[Source]:
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
         here = Path(dirpath)
@@ -281,9 +277,7 @@ def _walk(root: Path, extensions: tuple[str, ...], excluded: Sequence[str] = (),
             dirnames.remove(d)
             found.extend(_dataset_sources(prefix + (here / d).relative_to(root).as_posix(), here / d))
         for f in filenames:
-            if shards is not None and Path(f).suffix.lower() in TOKEN_FILE_SUFFIXES:
-                shards.append(here / f)
-            elif (records and sources_lib.record_kind(f)) or Path(f).suffix.lower() in extensions:
+            if (records and sources_lib.record_kind(f)) or Path(f).suffix.lower() in extensions:
                 p = here / f
                 found.append(_file_source(prefix + p.relative_to(root).as_posix(), p))
     return found
@@ -308,12 +302,7 @@ def find_sources(path=None, extensions: Sequence[str] = DEFAULT_EXTENSIONS) -> t
         elif sources_lib.is_saved_dataset(p):
             found, where = _dataset_sources(p.name, p), f"the saved dataset {p}"
         elif p.is_dir():
-            shards = []
-            found, where = _walk(p, exts, shards=shards), f"files ending in {', '.join(exts)} under {p}"
-            if shards:
-                raise DataError(f"{p} holds token-id shards ({shards[0].name}{', …' if len(shards) > 1 else ''}): a "
-                                f"directory is read as text, and a run reads text or token ids, not both; give the "
-                                f"shards as --data '{p}/*{shards[0].suffix}', or move them out of the text")
+            found, where = _walk(p, exts), f"files ending in {', '.join(exts)} under {p}"
         elif p.exists():
             raise DataError(f"data path {p} is not a regular file or a directory (a named pipe, socket or device?): "
                             f"only regular files are read")

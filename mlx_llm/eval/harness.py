@@ -160,7 +160,7 @@ def score(params, cfg, seqs: list[tuple[list[int], int]], *, batch_size: int = D
     """(log p(last n tokens | the ones before), is_greedy) of each (sequence, n) (a sequence fits: ≤ max_seq_len
     + 1 tokens, n ≥ 1): requests packed into rows of ``bucket_width`` of the longest (each its own segment from
     position 0), ``batch_size`` rows a call (the last call filled with empty rows), Σ log p over each request's
-    last n targets."""
+    last n targets (float32 log-probs, summed in float64)."""
     kernels = resolved(kernels)
     if not seqs:
         return []
@@ -184,8 +184,8 @@ def score(params, cfg, seqs: list[tuple[list[int], int]], *, batch_size: int = D
             segments[r, at:] = len(members)  # the row's padding: a segment of its own, never scored
         lp, hit = (np.asarray(a) for a in _token_scores(params, ids, targets, segments, positions, cfg=cfg,
                                                          kernels=kernels))
-        for i, r, lo, hi in spans:
-            out[i] = (float(lp[r, lo:hi].sum()), bool(hit[r, lo:hi].all()))
+        for i, r, lo, hi in spans:  # the per-token log-probs summed in float64: a long continuation loses nothing
+            out[i] = (float(lp[r, lo:hi].astype(np.float64).sum()), bool(hit[r, lo:hi].all()))
     return out
 
 
