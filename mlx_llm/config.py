@@ -411,6 +411,11 @@ class TrainConfig(JsonConfig):
     keep_checkpoints: int = setting(2, "checkpoints kept (older ones are removed)")
     log_interval: int = setting(10, "steps between metric readbacks (metrics.jsonl, the progress bar)")
     seed: int = setting(0, "seed of the initialisation, the data order and the noise")
+    init_seed: int | None = setting(None, "seed of the initial parameters (and LoRA adapters) alone, instead of "
+                                    "--seed: runs that differ in it see the same batches (default: --seed)")
+    data_seed: int | None = setting(None, "seed of the batch order and windows (and a task's examples) alone, instead "
+                                    "of --seed: runs that differ in it start from the same parameters (default: "
+                                    "--seed)")
     compute_dtype: str = setting("float32", "dtype of the forward and backward passes (float32 master weights)",
                                  choices=COMPUTE_DTYPES)
     objective: str = setting("ar", "ar (next token) or diffusion (masked diffusion: a bidirectional denoiser "
@@ -454,6 +459,9 @@ class TrainConfig(JsonConfig):
         for name in ("warmup_steps", "eval_tokens"):
             _require_int(self, name, minimum=0)
         _require_int(self, "seed", minimum=0, maximum=SEED_MAX)
+        for name in ("init_seed", "data_seed"):
+            if getattr(self, name) is not None:
+                _require_int(self, name, minimum=0, maximum=SEED_MAX)
         _require_float(self, "lr", positive=True)
         _require_float(self, "clip_norm", positive=True)
         _require_float(self, "final_lr_fraction", low=0.0, high=1.0)
@@ -504,6 +512,16 @@ class TrainConfig(JsonConfig):
         if not self.spike_factor > 1:
             raise ConfigError(f"TrainConfig.spike_factor = {self.spike_factor!r} is invalid: it must be > 1")
         _require_int(self, "watch_interval", minimum=0)
+
+    @property
+    def params_seed(self) -> int:
+        """The seed of the initial parameters: ``init_seed``, else ``seed``."""
+        return self.seed if self.init_seed is None else self.init_seed
+
+    @property
+    def batch_seed(self) -> int:
+        """The seed of the batch order and windows: ``data_seed``, else ``seed``."""
+        return self.seed if self.data_seed is None else self.data_seed
 
     @property
     def decay_steps(self) -> int:

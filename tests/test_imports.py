@@ -16,7 +16,7 @@ from helpers import python
 PACKAGE = Path(__file__).resolve().parents[1] / "mlx_llm"
 # The floors, from the ground up: a room is a top-level module or package of mlx_llm.
 FLOORS = [
-    ("errors", "settings", "ops", "gradcheck"),
+    ("errors", "settings", "ops", "gradcheck", "stats"),
     ("kernels",),
     ("layers",),
     ("config",),

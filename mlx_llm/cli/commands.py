@@ -406,6 +406,15 @@ def cmd_chat(args, given: dict, parser) -> int:
                         temperature=args.temperature)
 
 
+def cmd_compare(args, given: dict, parser) -> int:
+    """Two groups of runs on one metric: a short table, or exactly one JSON object (``--json``)."""
+    from mlx_llm.eval.compare import as_json, compare, table
+
+    result = compare(args.runs, args.against, args.metric, paired=args.paired)
+    print(as_json(result) if args.json else table(result))
+    return 0
+
+
 def cmd_export_merged(args, given: dict, parser) -> int:
     from mlx_llm.runs.load import merge_run
 
@@ -430,5 +439,6 @@ def cmd_import(args, given: dict, parser) -> int:
 
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "compile": cmd_compile, "generate": cmd_generate,
             "sft": cmd_post, "reward": cmd_post, "dpo": cmd_post, "rl": cmd_post, "eval-task": cmd_eval_task,
-            "chat": cmd_chat, "export-merged": cmd_export_merged, "export": cmd_export, "import": cmd_import}
+            "chat": cmd_chat, "compare": cmd_compare, "export-merged": cmd_export_merged, "export": cmd_export,
+            "import": cmd_import}
 TRAINING = frozenset({"train", "sft", "reward", "dpo", "rl"})  # Ctrl-C keeps their last checkpoint

@@ -149,6 +149,21 @@ def add_inspect(sub) -> None:
     ch.add_argument("--system", help="a system message")
 
 
+def add_compare(sub) -> None:
+    """compare: two groups of runs on one metric, with intervals and a p-value (eval/compare.py)."""
+    cp = sub.add_parser("compare", help="compare two groups of runs (one per seed) on a metric: means, 95 % "
+                        "intervals, and the difference's interval and p-value (Welch's t-test, or paired by seed)")
+    cp.add_argument("runs", nargs="+", type=Path, metavar="RUN", help="the first group's run directories")
+    cp.add_argument("--against", nargs="+", type=Path, required=True, metavar="RUN",
+                    help="the second group's run directories (the difference is first minus second)")
+    cp.add_argument("--metric", default="val_bpb", help="the last value of this key in each run's metrics.jsonl (or "
+                    "summary.json): val_bpb (default), val_loss, val_bpb/<source>, heldout_accuracy, …")
+    cp.add_argument("--paired", action="store_true", help="the paired t-test over runs matched by their seed (one "
+                    "run per seed in each group)")
+    cp.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    trust_flag(cp)
+
+
 def add_files(sub) -> None:
     """export-merged, export, import, generate."""
     mg = sub.add_parser("export-merged", help="write a plain run with a LoRA run's adapters folded in (SFT, DPO "
@@ -190,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     for kind in POST_SETTINGS:
         add_post(sub, kind)
     add_inspect(sub)
+    add_compare(sub)
     add_files(sub)
     for parser in sub.choices.values():
         parser.set_defaults(subparser=parser)  # a command names its own flags in its errors (flags.flags_of)

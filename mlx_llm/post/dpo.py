@@ -97,9 +97,9 @@ def dpo_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, settings
     base, tcfg, s, lora_cfg = st.base, st.tcfg, st.settings, st.lora_cfg
     data_ = pairs_lib.load_pairs(base, tcfg, data=s.data, task=s.task, n_train=s.n_train,
                                  model_negatives=s.model_negatives)
-    trainable = prologue.initial_trainable(base, lora_cfg, tcfg.seed)
+    trainable = prologue.initial_trainable(base, lora_cfg, tcfg.params_seed)
     frozen = {"reference": st.reference.params, **({"base": base.params} if lora_cfg is not None else {})}
-    batch_fn = lambda step, _: (data_.train_batch(step, tcfg.batch_size, tcfg.seed), {})  # noqa: E731
+    batch_fn = lambda step, _: (data_.train_batch(step, tcfg.batch_size, tcfg.batch_seed), {})  # noqa: E731
     objective = make_objective(base.cfg, s.beta, lora_cfg, s.nll_weight, tcfg.kernels(resolve=True), tcfg.remat)
     update = compiled_update(base.cfg, st.schedule_tcfg, objective, trainable, frozen, batch_fn(0, None)[0],
                              offsets=None if lora_cfg else moe_offsets(base.cfg))

@@ -226,8 +226,8 @@ def load_pairs(base, tcfg, *, data=None, task=None, n_train=None, model_negative
                           f"{list(tasks_lib.TASKS)})")
     if task is not None:
         policy = (base.params, base.cfg, base.tok, template) if model_negatives else None
-        train = task_pairs(task, "train", n=n_train, seed=tcfg.seed, policy=policy)
-        val = task_pairs(task, "heldout", seed=tcfg.seed)
+        train = task_pairs(task, "train", n=n_train, seed=tcfg.batch_seed, policy=policy)
+        val = task_pairs(task, "heldout", seed=tcfg.batch_seed)
     else:
         train, val = split_pairs(read_pairs(data))
     return PairData.build(train, val, base.tok, template, tcfg.seq_len)

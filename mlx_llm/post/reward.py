@@ -108,9 +108,9 @@ def reward_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, setti
     base, tcfg, s, lora_cfg = st.base, st.tcfg, st.settings, st.lora_cfg
     data_ = pairs_lib.load_pairs(base, tcfg, data=s.data, task=s.task, n_train=s.n_train,
                                  model_negatives=s.model_negatives)
-    trainable = trainable_tree(s, prologue.initial_trainable(base, lora_cfg, tcfg.seed), base.cfg.d_model)
+    trainable = trainable_tree(s, prologue.initial_trainable(base, lora_cfg, tcfg.params_seed), base.cfg.d_model)
     frozen = {"base": base.params} if lora_cfg is not None else {}
-    batch_fn = lambda s, _: (data_.train_batch(s, tcfg.batch_size, tcfg.seed), {})  # noqa: E731
+    batch_fn = lambda s, _: (data_.train_batch(s, tcfg.batch_size, tcfg.batch_seed), {})  # noqa: E731
     objective = make_objective(base.cfg, lora_cfg, tcfg.kernels(resolve=True), tcfg.remat)
     update = compiled_update(base.cfg, st.schedule_tcfg, objective, trainable, frozen, batch_fn(0, None)[0],
                              offsets=None if lora_cfg else moe_offsets(base.cfg, ("model",)))

@@ -118,7 +118,7 @@ class Sampler:
     def __init__(self, base: prologue.Base, task: str, tcfg: TrainConfig, k: int, frozen, lora_cfg, *, n_train=None,
                  reward_model=None, max_new_tokens=None):
         self.base, self.task, self.tcfg, self.k, self.frozen, self.lora_cfg = base, task, tcfg, k, frozen, lora_cfg
-        self.examples = tasks_lib.examples(task, "train", n=n_train, seed=tcfg.seed)
+        self.examples = tasks_lib.examples(task, "train", n=n_train, seed=tcfg.batch_seed)
         self.reward_model = reward_model
         self.max_new = max_new_tokens or REPLY_TOKENS[task]
         self.prompts = [base.template.encode(tasks_lib.prompt_messages(e), base.tok, generation_prompt=True)[0]
@@ -139,7 +139,7 @@ class Sampler:
     def __call__(self, step: int, trainable):
 
         base, k = self.base, self.k
-        idx = np.repeat(epoch_order(step, self.tcfg.batch_size, len(self.examples), self.tcfg.seed), k)
+        idx = np.repeat(epoch_order(step, self.tcfg.batch_size, len(self.examples), self.tcfg.batch_seed), k)
         params = prologue.policy_params(trainable, self.frozen, self.lora_cfg)
         seed = int(np.random.default_rng([self.tcfg.seed, step, 11]).integers(2**31))
         replies = sample_replies(params, base.cfg, base.tok, base.template,
@@ -175,12 +175,12 @@ def _algorithm(base: prologue.Base, tcfg: TrainConfig, s: RLConfig, sampler: "Sa
     kernels = tcfg.kernels(resolve=True)
     if s.algorithm == "ppo":
         ppo.check_rollout_split(tcfg.batch_size * s.k, s, tcfg.grad_accum)
-        return Algorithm(ppo.initial_trainable(base, lora_cfg, tcfg.seed, s), lambda t: t["policy"],
+        return Algorithm(ppo.initial_trainable(base, lora_cfg, tcfg.params_seed, s), lambda t: t["policy"],
                          ppo.make_objective(base.cfg, s, lora_cfg, kernels, tcfg.remat), ppo.example_batch(sampler),
                          lambda step, t: ppo.rollout_batch(sampler, step, t, s, kernels), "reply_tokens",
                          f"PPO: {s.epochs} epochs × {s.minibatches} minibatches per rollout, ε = {s.clip:g}, "
                          f"λ = {s.gae_lambda:g}", s.epochs, s.minibatches)
-    return Algorithm(prologue.initial_trainable(base, lora_cfg, tcfg.seed), lambda t: t,
+    return Algorithm(prologue.initial_trainable(base, lora_cfg, tcfg.params_seed), lambda t: t,
                      make_objective(base.cfg, s.beta, s.k, lora_cfg, kernels, tcfg.remat), sampler.example_batch(),
                      sampler, "replies", "leave-one-out group baseline")
 

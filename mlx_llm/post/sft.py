@@ -155,8 +155,8 @@ def sft_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, settings
         raise ConfigError("chat fine-tuning trains next-token predictions: objective must be 'ar'")
     st.template = template = template_for(tok, template)  # an imported model's own chat template, if it has one
     template.check_tokenizer(tok)
-    sft_data = load_data(tok, template, tcfg.seq_len, data=s.data, task=s.task, n_train=s.n_train, seed=tcfg.seed)
-    trainable = base_params if lora_cfg is None else lora_lib.init(base_params, lora_cfg, jax.random.key(tcfg.seed))
+    sft_data = load_data(tok, template, tcfg.seq_len, data=s.data, task=s.task, n_train=s.n_train, seed=tcfg.batch_seed)
+    trainable = base_params if lora_cfg is None else lora_lib.init(base_params, lora_cfg, jax.random.key(tcfg.params_seed))
     frozen, model_of = (None, None) if lora_cfg is None else (base_params, lora_lib.model_of(lora_cfg))
     schedule_steps = st.plan.schedule_steps if st.plan else None
     step = check_fits(cfg, schedule_config(tcfg, schedule_steps), trainable=trainable, frozen=frozen,

@@ -45,7 +45,7 @@ def lm_job(cfg: ModelConfig, tcfg: TrainConfig, corpus, mesh, *, trainable=None,
     my_rows = local_rows(mesh, tcfg.batch_size)
 
     def batches(s, state):
-        batch = corpus.train_batch(s, batch_size=tcfg.batch_size, seq_len=tcfg.seq_len, seed=tcfg.seed, rows=my_rows)
+        batch = corpus.train_batch(s, batch_size=tcfg.batch_size, seq_len=tcfg.seq_len, seed=tcfg.batch_seed, rows=my_rows)
         check_tokens(batch["tokens"], cfg, "training batch tokens")
         return device_batch(batch, mesh, tcfg.batch_size), {}
 
@@ -138,7 +138,7 @@ def seconds_per_step(cfg: ModelConfig, tcfg: TrainConfig, corpus, rounds: int = 
     step = jit_train_step(cfg, tcfg, mesh, corpus.tokenizer.mask_id)
     state = place_state(init_state(cfg, tcfg, optimizer_for(tcfg)), mesh)
     rows = local_rows(mesh, tcfg.batch_size)
-    batch = device_batch(corpus.train_batch(0, batch_size=tcfg.batch_size, seq_len=tcfg.seq_len, seed=tcfg.seed,
+    batch = device_batch(corpus.train_batch(0, batch_size=tcfg.batch_size, seq_len=tcfg.seq_len, seed=tcfg.batch_seed,
                                             rows=rows), mesh, tcfg.batch_size)
     times = []
     for _ in range(rounds + 1):  # the first call compiles

@@ -81,6 +81,8 @@ def init_state(cfg: ModelConfig, tcfg: TrainConfig, optimizer: optax.GradientTra
     """A fresh state: random parameters (``init_params``), or the given trainable ``params`` (a pretrained
     model for fine-tuning, LoRA adapters), with new optimizer moments."""
     init_key, rng = jax.random.split(jax.random.key(tcfg.seed))
+    if tcfg.init_seed is not None:  # the parameters from their own seed; the state's noise stays --seed's
+        init_key = jax.random.split(jax.random.key(tcfg.init_seed))[0]
     params = init_params(cfg, init_key) if params is None else params
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
                       rng=jax.random.key_data(rng), data_step=jnp.zeros((), jnp.int32))

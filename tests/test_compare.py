@@ -1,0 +1,175 @@
+"""Comparisons over seeds (mlx_llm.stats, ``mlx-llm compare``) and the seeds that separate the sources of noise
+(``--init-seed``, ``--data-seed``)."""
+
+import json
+import math
+
+import jax
+import numpy as np
+import pytest
+from scipy import stats as sp
+
+from helpers import TINY, cli_in_process, snapshot, spec_for, tiny_train
+from mlx_llm import stats
+from mlx_llm.config import TrainConfig
+from mlx_llm.errors import ConfigError, InputError
+from mlx_llm.eval.compare import compare
+
+A = [1.412, 1.398, 1.431, 1.405, 1.420]
+B = [1.452, 1.447, 1.466, 1.439]
+
+
+# ----- the statistics, by hand ------------------------------------------------------------------------------------
+def test_summary_is_the_t_interval_written_out():
+    s = stats.summarize(A)
+    n, mean = len(A), sum(A) / len(A)
+    sd = math.sqrt(sum((x - mean) ** 2 for x in A) / (n - 1))
+    half = sp.t.ppf(0.975, n - 1) * sd / math.sqrt(n)
+    assert s.n == n and s.mean == pytest.approx(mean, abs=1e-15) and s.std == pytest.approx(sd, rel=1e-12)
+    assert s.ci95 == pytest.approx((mean - half, mean + half), rel=1e-12)
+    assert stats.describe(s) == f"{mean:.4f} ± {half:.4f} (n = 5)"
+
+
+def test_welch_is_the_formula_written_out():
+    d = stats.welch(A, B)
+    va, vb = np.var(A, ddof=1) / len(A), np.var(B, ddof=1) / len(B)
+    diff = np.mean(A) - np.mean(B)
+    df = (va + vb) ** 2 / (va ** 2 / (len(A) - 1) + vb ** 2 / (len(B) - 1))  # Welch–Satterthwaite
+    t = diff / math.sqrt(va + vb)
+    half = sp.t.ppf(0.975, df) * math.sqrt(va + vb)
+    assert d.test == "welch" and d.mean == pytest.approx(diff, abs=1e-15)
+    assert d.p_value == pytest.approx(2 * sp.t.sf(abs(t), df), rel=1e-9)
+    assert d.ci95 == pytest.approx((diff - half, diff + half), rel=1e-9)
+    assert d.significant and "significant at p < 0.05" in stats.verdict(d) and "not" not in stats.verdict(d)
+
+
+def test_paired_is_the_one_sample_test_of_the_differences():
+    a, b = A[:4], [1.410, 1.401, 1.425, 1.409]
+    d = stats.paired(a, b)
+    diffs = np.subtract(a, b)
+    se = np.std(diffs, ddof=1) / math.sqrt(len(diffs))
+    t = diffs.mean() / se
+    assert d.test == "paired" and d.p_value == pytest.approx(2 * sp.t.sf(abs(t), len(diffs) - 1), rel=1e-9)
+    half = sp.t.ppf(0.975, len(diffs) - 1) * se
+    assert d.ci95 == pytest.approx((diffs.mean() - half, diffs.mean() + half), rel=1e-9)
+    assert not d.significant and "not significant" in stats.verdict(d)
+
+
+@pytest.mark.parametrize("values, message", [([1.0], r"has 1 value\(s\): a mean's interval needs at least two"),
+                                             ([1.0, float("nan")], r"not finite")])
+def test_a_group_needs_two_finite_values(values, message):
+    with pytest.raises(InputError, match=message):
+        stats.summarize(values)
+
+
+# ----- seeds ------------------------------------------------------------------------------------------------------
+def test_init_and_data_seeds_each_move_one_source_of_noise(corpus_dir, tmp_path):
+    """Two configs that differ only in --data-seed start from the same parameters and see other batches; two that
+    differ only in --init-seed see the same batches from other parameters; unset, both are --seed's (today's)."""
+    from mlx_llm.data.corpora import open_data
+    from mlx_llm.train.step import init_state, optimizer_for
+
+    base = tiny_train()
+    corpus = open_data(tmp_path, spec_for(corpus_dir)).build(tmp_path / "cache")
+
+    def params(t):
+        return init_state(TINY, t, optimizer_for(t)).params
+
+    def batch(t):
+        return corpus.train_batch(0, batch_size=t.batch_size, seq_len=t.seq_len, seed=t.batch_seed)["tokens"]
+
+    same = lambda a, b: all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))  # noqa
+    data1, data2 = tiny_train(data_seed=1), tiny_train(data_seed=2)
+    assert same(params(data1), params(data2)) and same(params(data1), params(base))
+    assert not np.array_equal(batch(data1), batch(data2))
+    init1, init2 = tiny_train(init_seed=1), tiny_train(init_seed=2)
+    assert np.array_equal(batch(init1), batch(init2)) and np.array_equal(batch(init1), batch(base))
+    assert not same(params(init1), params(init2))
+    assert (base.params_seed, base.batch_seed, tiny_train(seed=7, data_seed=3).batch_seed) == (0, 0, 3)
+    with pytest.raises(ConfigError, match=r"TrainConfig.init_seed = -1 is invalid"):
+        TrainConfig(init_seed=-1)
+
+
+# ----- mlx-llm compare on runs mlx-llm train wrote ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def four_runs(corpus_dir, tmp_path_factory):
+    """Two learning rates × two seeds of the tiny model (4 steps each), and a fifth run on another val split."""
+    root = tmp_path_factory.mktemp("compare")
+    (root / "model.json").write_text(json.dumps(TINY.to_dict()))
+    common = ["--data", corpus_dir, "--extensions", ".py", "--tokenizer", "byte", "--config", root / "model.json",
+              "--steps", 4, "--warmup-steps", 1, "--batch-size", 4, "--seq-len", 32, "--eval-interval", 4,
+              "--eval-tokens", 256, "--checkpoint-interval", 4, "--no-progress", "--sample-tokens", 2,
+              "--cache-dir", root / "cache"]
+    runs = {}
+    for lr in ("1e-2", "3e-3"):
+        for seed in (0, 1, 2):
+            out = root / f"lr{lr}-s{seed}"
+            proc = cli_in_process("train", *common, "--val-percent", 20, "--lr", lr, "--seed", seed, "--out", out)
+            assert proc.returncode == 0, proc.stderr
+            runs[(lr, seed)] = out
+    other = root / "other-val"
+    assert cli_in_process("train", *common, "--val-percent", 40, "--out", other).returncode == 0
+    return runs, other
+
+
+@pytest.mark.slow
+def test_compare_matches_scipy_on_real_runs(four_runs):
+    runs, _ = four_runs
+    a = [runs[("1e-2", s)] for s in (0, 1, 2)]
+    b = [runs[("3e-3", s)] for s in (2, 0, 1)]  # another order: --paired matches them by seed
+    va = [json.loads((r / "summary.json").read_text())["val_bpb"] for r in a]
+    vb = [json.loads((r / "summary.json").read_text())["val_bpb"] for r in b]
+    out = compare(a, b)
+    welch = sp.ttest_ind(va, vb, equal_var=False)
+    assert out["metric"] == "val_bpb" and out["a"]["runs"] == [str(r) for r in a] and out["a"]["n"] == 3
+    assert out["a"]["mean"] == pytest.approx(np.mean(va), abs=1e-12)
+    assert out["a"]["std"] == pytest.approx(np.std(va, ddof=1), rel=1e-9)
+    interval = sp.t.interval(0.95, 2, loc=np.mean(va), scale=np.std(va, ddof=1) / math.sqrt(3))
+    assert out["a"]["ci95"] == pytest.approx(list(interval), rel=1e-9)
+    assert out["difference"]["p_value"] == pytest.approx(welch.pvalue, rel=1e-9)
+    assert out["difference"]["ci95"] == pytest.approx(list(welch.confidence_interval(0.95)), rel=1e-9)
+    by_seed = {json.loads((r / "train_config.json").read_text())["seed"]: v for r, v in zip(b, vb)}
+    paired = compare(a, b, paired=True)
+    rel = sp.ttest_rel(va, [by_seed[s] for s in (0, 1, 2)])
+    assert paired["difference"]["test"] == "paired"
+    assert paired["difference"]["p_value"] == pytest.approx(rel.pvalue, rel=1e-9)
+    assert paired["difference"]["ci95"] == pytest.approx(list(rel.confidence_interval(0.95)), rel=1e-9)
+    assert paired["b"]["runs"] == [str(runs[("3e-3", s)]) for s in (0, 1, 2)]
+    loss = compare(a, b, "val_loss")
+    assert loss["metric"] == "val_loss" and loss["a"]["n"] == 3
+    proc = cli_in_process("compare", *a, "--against", *b, "--json")
+    assert proc.returncode == 0 and json.loads(proc.stdout) == out  # exactly one JSON object
+    text = cli_in_process("compare", *a, "--against", *b).stdout
+    assert text.startswith("val_bpb:") and "difference" in text and "(n = 3)" in text
+
+
+@pytest.mark.slow
+def test_compare_refusals_are_one_line_and_write_nothing(four_runs):
+    runs, other = four_runs
+    a = [runs[("1e-2", s)] for s in (0, 1, 2)]
+    b = [runs[("3e-3", s)] for s in (0, 1, 2)]
+    before = {r: snapshot(r) for r in [*a, *b, other]}
+    cases = [((a[0], "--against", *b), r"the first group has 1 run\(s\): a mean's interval needs at least two"),
+             ((*a, "--against", *b, "--metric", "val_nope"), r"records no 'val_nope'"),
+             ((*a, "--against", b[0], other), rf"run {other} measured its metric on other validation data .*"
+                                                r"val_percent differ"),
+             ((*a[:2], "--against", *b[1:], "--paired"), r"--paired: run .*s0 \(seed 0\) has no run with its seed"),
+             ((*a, a[0], "--against", *b, "--paired"), r"seed 0 is used by more than one run")]
+    import re
+
+    for args, message in cases:
+        proc = cli_in_process("compare", *args)
+        lines = [line for line in proc.stderr.splitlines() if line.startswith("mlx-llm")]
+        assert proc.returncode == 2 and len(lines) == 1 and re.search(message, lines[0]), (args, proc.stderr)
+    assert {r: snapshot(r) for r in [*a, *b, other]} == before
+
+
+@pytest.mark.slow
+def test_a_changed_seed_on_resume_is_refused(four_runs):
+    runs, _ = four_runs
+    run = runs[("1e-2", 0)]
+    before = snapshot(run)
+    for flag in ("--seed", "--init-seed", "--data-seed"):
+        proc = cli_in_process("train", "--resume", "--out", run, flag, 5, "--no-progress")
+        assert proc.returncode == 2 and "exactly as it was configured" in proc.stderr, proc.stderr
+    assert snapshot(run) == before
