@@ -27,7 +27,7 @@ from mlx_llm.model import (hidden_states, init_params, logits_from_hidden, mtp_h
 from mlx_llm.layers.moe import apply_offset_rule
 from mlx_llm.train import watch
 from mlx_llm.train.optim import SpikeState, make_optimizer, warmup_cosine, warmup_stable_decay
-from mlx_llm.train.masks import strip_routing_state
+from mlx_llm.train.masks import role_lr_scales, strip_routing_state
 from mlx_llm.train.parallel import batch_sharding, global_batch, local_rows, replicated, tree_shardings
 
 BATCH_KEYS = ("tokens", "targets", "mask", "segment_ids", "positions")
@@ -74,7 +74,19 @@ def optimizer_for(tcfg: TrainConfig, updates_per_step: int = 1) -> optax.Gradien
     if updates_per_step != 1:
         schedule = (lambda base, n: lambda count: base(count // n))(schedule, updates_per_step)
     return make_optimizer(schedule, b1=tcfg.b1, b2=tcfg.b2, weight_decay=tcfg.weight_decay, clip_norm=tcfg.clip_norm,
-                          kind=tcfg.optimizer, spike_factor=tcfg.spike_factor if tcfg.skip_spikes else None)
+                          kind=tcfg.optimizer, spike_factor=tcfg.spike_factor if tcfg.skip_spikes else None,
+                          polar_express=tcfg.polar_express, cautious_wd=tcfg.cautious_wd,
+                          lr_scales=role_scales_for(tcfg))
+
+
+def role_scales_for(tcfg: TrainConfig) -> Callable | None:
+    """The run's per-group learning-rate multipliers (``--embed-lr-scale``, ``--head-lr-scale``,
+    ``--scalar-lr-scale``) as ``role_lr_scales`` of the updates tree; None when all are 1 (the chain is then
+    exactly the one without them)."""
+    scales = dict(embed=tcfg.embed_lr_scale, head=tcfg.head_lr_scale, scalar=tcfg.scalar_lr_scale)
+    if all(v == 1.0 for v in scales.values()):
+        return None
+    return functools.partial(role_lr_scales, **scales)
 
 
 def init_state(cfg: ModelConfig, tcfg: TrainConfig, optimizer: optax.GradientTransformation,
