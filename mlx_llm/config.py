@@ -324,6 +324,11 @@ class ModelConfig(JsonConfig):
             if getattr(self, name) not in (None, False) and not self.attention:
                 raise ConfigError(f"ModelConfig.{name} = {getattr(self, name)!r} acts on attention layers, but "
                                   f"mixer_pattern {list(self.mixer_pattern)} has none")
+        # the same model written one way only (so a config survives a round trip through transformers' fields)
+        if self.score_dim is not None and self.score_dim == self.d_head:
+            object.__setattr__(self, "score_dim", None)
+        if self.rope_local_base is not None and self.rope_local_base == self.rope_base and self.rope_scaling == "none":
+            object.__setattr__(self, "rope_local_base", None)
         if self.rope_local_base is not None and "local" not in self.mixer_pattern:
             raise ConfigError(f"ModelConfig.rope_local_base = {self.rope_local_base!r} is the RoPE base of the "
                               f"sliding-window ('local') layers, but mixer_pattern {list(self.mixer_pattern)} has "
