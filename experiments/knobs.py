@@ -1,4 +1,5 @@
-"""Each architecture knob and optimizer option against the main job's recipe at equal wall time, over seeds.
+"""Each architecture knob and optimizer option against the main job's recipe, over seeds, at equal wall time or at
+equal steps.
 
 Arms (``ARMS``): the main job (``baseline``: ``recipes.MAIN_JOB_MODEL`` / ``MAIN_JOB_TRAIN``, AdamW with wsd), and the
 same recipe with one change each: the logit and attention soft caps, ReLU² (at the SwiGLU's parameter count) and
@@ -8,10 +9,17 @@ scale, Gemma 3's local/global layers with a RoPE base each, the attention-window
 weight decay, per-group learning rates). ``--arms a,b+c`` picks arms; ``b+c`` is a combination (the overrides of
 both, the later winning), the way to test the best knobs together.
 
-Every arm trains for the same ``--seconds`` of training loop (``common.train_for_seconds``: the library's
-``fit_time_budget`` sizes the steps from the arm's own measured step time, so a slower arm gets fewer steps), for
-each of ``--seeds`` seeds (``TrainConfig.seed``: initial parameters and batch order), seed-major (every arm of seed 0,
-then of seed 1, …) so a change of machine load hits all arms alike. Reported per arm: val bits/byte on the whole
+Equal wall time (the default, the question the main job asks; only on an otherwise idle machine): every arm trains
+for the same ``--seconds`` of training loop (``common.train_for_seconds``: the library's ``fit_time_budget`` sizes
+the steps from the arm's own measured step time, so a slower arm gets fewer steps). Equal steps (``--steps N``,
+the comparison a shared machine allows; it credits a knob with what it learns per step, not with its cost): every
+arm trains exactly N steps (``common.train_for_steps``), the recipe's warmup and an arm's window warmup scaled by
+N / 700 (the main job's steps), and a finished run already in ``--out`` with the same configs is read back, so
+an ablation can be split over several commands that share the baseline's runs. ``--eval-tokens`` caps the final
+evaluation (the same first tokens of the val split for every arm; default the whole split); ``--batch-size``
+shrinks every arm's batch alike (a cheaper ablation of the same model). Each arm runs for
+each of ``--seeds`` seeds (``TrainConfig.seed``: initial parameters and batch order), seed-major (every arm of
+seed 0, then of seed 1, …) so a change of machine load hits all arms alike. Reported per arm: val bits/byte on the whole
 val split, mean ± 95 % interval over the seeds (``mlx_llm.stats.summarize``), and its difference from the baseline
 paired by seed (``mlx_llm.stats.paired``: the same seed is the same data order) with the p-value; the verdict says
 plainly when a difference is not significant. Written: ``experiments/results/knobs.json`` (every run's numbers,
@@ -21,6 +29,7 @@ with its interval).
     python -m experiments.knobs --out runs/knobs                    # every arm, 3 seeds, 200 s each (≈ 4 h)
     python -m experiments.knobs --out runs/knobs --arms baseline,muon,muon+logit_softcap --seeds 5
     python -m experiments.knobs --out /tmp/k --quick                # 3 arms × 2 seeds of 4 s, tiny batches
+    python -m experiments.knobs --out runs/knobs-steps --steps 120 --eval-tokens 65536 --arms baseline,muon
 """
 
 from __future__ import annotations
@@ -86,15 +95,34 @@ def recipe(quick: bool):
     return MAIN_JOB_MODEL, tcfg
 
 
+def at_steps(cfg, tcfg, steps: int):
+    """The arm's (model, train config) for a run of ``steps`` steps: the recipe's warmup and a window warmup
+    scaled by steps / the recipe's steps (at least 1 each)."""
+    def scaled(n):
+        return max(1, round(n * steps / MAIN_JOB_TRAIN.steps))
+
+    if cfg.window_warmup_steps:
+        cfg = dataclasses.replace(cfg, window_warmup_steps=scaled(cfg.window_warmup_steps))
+    return cfg, dataclasses.replace(tcfg, steps=steps, warmup_steps=min(scaled(tcfg.warmup_steps), steps - 1))
+
+
 def run_arm(name: str, seed: int, out: Path, seconds: float, args) -> dict:
     cfg, tcfg = recipe(args.quick)
     model, train = arm_overrides(name, args.quick)
     cfg = dataclasses.replace(cfg, **model)
     tcfg = dataclasses.replace(tcfg, seed=seed, **train)
+    if args.eval_tokens is not None:
+        tcfg = dataclasses.replace(tcfg, eval_tokens=args.eval_tokens)
+    if args.batch_size is not None:
+        tcfg = dataclasses.replace(tcfg, batch_size=args.batch_size)
     spec = DataSpec(path=args.data, vocab_size=MAIN_JOB_VOCAB)
     run_dir = out / f"{name}-seed{seed}"
-    summary = common.train_for_seconds(run_dir, cfg, tcfg, spec, seconds, cache_dir=args.cache_dir,
-                                       label=f"{name} seed {seed}")
+    if args.steps:
+        cfg, tcfg = at_steps(cfg, tcfg, args.steps)
+        summary = common.train_for_steps(run_dir, cfg, tcfg, spec, args.steps, cache_dir=args.cache_dir)
+    else:
+        summary = common.train_for_seconds(run_dir, cfg, tcfg, spec, seconds, cache_dir=args.cache_dir,
+                                           label=f"{name} seed {seed}")
     row = {"arm": name, "seed": seed, "val_bpb": summary["val_bpb"], "val_loss": summary["val_loss"],
            "steps": summary["steps_this_session"], "step_seconds": summary["step_seconds"], "run": str(run_dir)}
     print(f"{name} seed {seed}: val bits/byte {row['val_bpb']:.4f} in {row['steps']} steps "
@@ -147,7 +175,8 @@ def plot(result: dict, path: Path) -> None:
         ax.plot([d["mean"]], [i], "o", color="tab:blue", fillstyle="full" if d["p_value"] < 0.05 else "none")
     ax.axvline(0.0, color="gray", lw=0.8)
     ax.set_yticks(range(len(arms)), [a for a, _ in arms])
-    ax.set_xlabel(f"val bits/byte − baseline's (paired by seed, 95 % interval; {result['seconds']:g} s each)")
+    budget = f"{result['steps']} steps" if result.get("steps") else f"{result['seconds']:g} s"
+    ax.set_xlabel(f"val bits/byte − baseline's (paired by seed, 95 % interval; {budget} each)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -161,6 +190,12 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, default=3, help="seeds per arm (at least 2; default %(default)s)")
     ap.add_argument("--seconds", type=float, default=200.0, help="training-loop seconds per run (default "
                     "%(default)s)")
+    ap.add_argument("--steps", type=int, help="equal steps instead of equal wall time: every arm trains exactly "
+                    "this many steps (warmups scaled from the recipe's 700)")
+    ap.add_argument("--eval-tokens", type=int, help="cap on the val targets of the final evaluation (default: the "
+                    "recipe's, the whole split)")
+    ap.add_argument("--batch-size", type=int, help="windows per step (default: the recipe's 32; a smaller one makes "
+                    "a cheaper ablation of the same model)")
     ap.add_argument("--data", help="corpus (default: the Python standard library)")
     ap.add_argument("--cache-dir", type=Path)
     ap.add_argument("--quick", action="store_true", help=f"arms {','.join(QUICK_ARMS)}, 2 seeds of 4 s on tiny "
@@ -170,6 +205,8 @@ def main(argv=None) -> int:
     arms = args.arms.split(",") if args.arms else list(QUICK_ARMS if args.quick else ARMS)
     seeds = 2 if args.quick and args.seeds == 3 else args.seeds
     seconds = 4.0 if args.quick and args.seconds == 200.0 else args.seconds
+    if args.steps is not None and args.steps < 2:
+        raise SystemExit(f"knobs: --steps {args.steps} is too few: a run needs a warmup step and a step after it")
     if seeds < 2:
         raise SystemExit(f"knobs: --seeds {seeds} is too few: an interval over seeds needs at least 2")
     if BASELINE not in arms:
@@ -177,7 +214,9 @@ def main(argv=None) -> int:
     for arm in arms:
         arm_overrides(arm)  # unknown arms refused before anything runs
     rows = [run_arm(arm, seed, args.out, seconds, args) for seed in range(seeds) for arm in arms]
-    result = {"seconds": seconds, "seeds": seeds, "baseline": BASELINE, "arms": analyse(rows, arms),
+    result = {"comparison": "equal steps" if args.steps else "equal wall time",
+              "seconds": None if args.steps else seconds, "steps": args.steps, "seeds": seeds, "baseline": BASELINE,
+              "arms": analyse(rows, arms),
               "recipe": {"model": recipe(args.quick)[0].to_dict(), "train": recipe(args.quick)[1].to_dict()},
               "args": common.arguments(args)}
     report(result)

@@ -363,3 +363,39 @@ def test_knobs_off_is_todays_model_and_bad_values_are_refused():
                            np.ones((1, 3)), ALL)
     off = ModelConfig(**{**tiny_cfg().to_dict()})
     assert off == tiny_cfg() and all(getattr(off, k) in (None, False, 0) for k in KNOBS)
+
+
+# ----- through the command line: a run with knobs logs mtp_loss; a refused one writes nothing ---------------------
+@pytest.mark.slow
+def test_a_run_with_knobs_logs_the_mtp_loss_and_a_refused_one_writes_nothing(corpus_dir, tmp_path):
+    import json
+
+    from helpers import TINY, cli_in_process, snapshot
+
+    TINY.to_json(tmp_path / "model.json")
+    common = ("--config", tmp_path / "model.json", "--data", corpus_dir, "--extensions", ".py", "--tokenizer", "byte",
+              "--val-percent", 20, "--batch-size", 4, "--seq-len", 32, "--eval-tokens", 128, "--log-interval", 1,
+              "--no-progress", "--sample-tokens", 4, "--cache-dir", tmp_path / "cache", "--warmup-steps", 1,
+              "--steps", 2)
+    before = snapshot(tmp_path)
+    for flags, message in ((("--mtp-weight", 0.5), "mtp_weight = 0.5 weighs"),
+                           (("--polar-express",), "polar_express = true replaces"),
+                           (("--set", "model.attn_softcap=0"), "attn_softcap = 0"),
+                           (("--set", "model.window_warmup_steps=3"), "window_warmup_steps = 3")):
+        proc = cli_in_process("train", "--out", tmp_path / "refused", *common, *flags)
+        assert proc.returncode == 2 and message in proc.stderr, (flags, proc.stderr)
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert snapshot(tmp_path) == before and not (tmp_path / "refused").exists()
+    run = tmp_path / "run"
+    proc = cli_in_process("train", "--out", run, *common, "--set", "model.mtp_depth=1", "--set",
+                          "model.logit_softcap=30", "--optimizer", "normuon", "--polar-express", "--cautious-wd",
+                          "--scalar-lr-scale", 2, "--mtp-weight", 0.5)
+    assert proc.returncode == 0, proc.stderr
+    assert ModelConfig.from_json(run / "config.json").mtp_depth == 1
+    tcfg = TrainConfig.from_json(run / "train_config.json")
+    assert (tcfg.optimizer, tcfg.polar_express, tcfg.cautious_wd, tcfg.scalar_lr_scale, tcfg.mtp_weight) == \
+        ("normuon", True, True, 2.0, 0.5)
+    steps = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert len(steps) == 2
+    for r in steps:  # loss = main + λ·mtp_loss, both near ln 263 ≈ 5.6 at the start
+        assert 4 < r["mtp_loss"] < 7 and r["loss"] > 0.5 * r["mtp_loss"] + 4, r

@@ -15,7 +15,7 @@ from mlx_llm.config import TrainConfig
 from mlx_llm.errors import ConfigError
 from mlx_llm.train.masks import role_lr_scales
 from mlx_llm.train.muon import POLAR_EXPRESS
-from mlx_llm.train.optim import make_optimizer
+from mlx_llm.train.optim import make_optimizer, multiply_scales
 
 LR, WD, B1, B2, EPS, BETA = 0.01, 0.1, 0.9, 0.95, 1e-8, 0.95
 NS = (3.4445, -4.775, 2.0315)
@@ -171,15 +171,21 @@ def test_cautious_decay_in_adamw_skips_the_coordinates_that_would_grow():
 
 def test_role_lr_scales_per_declared_group():
     """embed, head and scalar leaves × their multipliers, matrices × 1; a tied embedding (no unembed) takes the
-    embed multiplier; each leaf's two AdamW updates are the reference's × its multiplier (decay included)."""
+    embed multiplier; each leaf's two AdamW updates are the reference's × its multiplier (decay included), also when
+    it is the product of two sources (``multiply_scales``)."""
     scales = dict(embed=2.0, head=0.5, scalar=3.0)
     got = leaves(role_lr_scales(tree(), **scales))
     assert got == {k: {**scales, "matrix": 1.0}[g] for k, g in GROUP.items()}
     tied = role_lr_scales({"embed": jnp.zeros((8, 4)), "blocks": {"value_embed": jnp.zeros((1, 8, 2, 2))}}, **scales)
     assert tied == {"embed": 2.0, "blocks": {"value_embed": 2.0}}
-    p, g1, g2, u1, p2, u2 = two_updates("adamw", lr_scales=functools.partial(role_lr_scales, **scales))
+    # composed with a second source of per-leaf rates (as a parametrization's would be): the leafwise product
+    other = functools.partial(jax.tree_util.tree_map_with_path,
+                              lambda path, _: 4.0 if path[-1].key in ("wq", "embed") else 1.0)
+    assert multiply_scales() is None and multiply_scales(None, other) is other
+    p, g1, g2, u1, p2, u2 = two_updates("adamw", lr_scales=multiply_scales(
+        functools.partial(role_lr_scales, **scales), None, other))
     for key, group in GROUP.items():
-        factor = {**scales, "matrix": 1.0}[group]
+        factor = {**scales, "matrix": 1.0}[group] * (4.0 if key in ("wq", "embed") else 1.0)
         assert_updates(u1, u2, adamw_reference(key, p[key], g1[key], g2[key], p2[key], scale=factor), key)
 
 

@@ -81,7 +81,8 @@ def role_lr_scales(params, *, embed: float = 1.0, head: float = 1.0, scalar: flo
     embedding is also the head and takes ``embed``), ``head`` for the untied output projection, ``scalar`` for
     norm gains, biases, gates, skip weights and Mamba's elementwise parameters, 1 for the matrices (Muon's or
     AdamW's) and for routing state (which gets no update). nanochat and modded-nanogpt train these groups at
-    their own rates. A multiplier tree composes with others leaf by leaf (``optim.scale_leaves``)."""
+    their own rates. A multiplier tree composes with others leaf by leaf (``optim.multiply_scales``, applied by
+    ``optim.scale_per_leaf``)."""
     factor = {"embed": embed, "head": head, "scalar": scalar, "matrix": 1.0, None: 1.0}
     return jax.tree_util.tree_map_with_path(
         lambda path, _: float(factor[declared(tuple(key_name(e) for e in path)).lr_group]), params)

@@ -26,7 +26,7 @@ from mlx_llm.model import (hidden_states, init_params, logits_from_hidden, mtp_h
                            training_window)
 from mlx_llm.layers.moe import apply_offset_rule
 from mlx_llm.train import watch
-from mlx_llm.train.optim import SpikeState, make_optimizer, warmup_cosine, warmup_stable_decay
+from mlx_llm.train.optim import SpikeState, make_optimizer, multiply_scales, warmup_cosine, warmup_stable_decay
 from mlx_llm.train.masks import role_lr_scales, strip_routing_state
 from mlx_llm.train.parallel import batch_sharding, global_batch, local_rows, replicated, tree_shardings
 
@@ -76,7 +76,13 @@ def optimizer_for(tcfg: TrainConfig, updates_per_step: int = 1) -> optax.Gradien
     return make_optimizer(schedule, b1=tcfg.b1, b2=tcfg.b2, weight_decay=tcfg.weight_decay, clip_norm=tcfg.clip_norm,
                           kind=tcfg.optimizer, spike_factor=tcfg.spike_factor if tcfg.skip_spikes else None,
                           polar_express=tcfg.polar_express, cautious_wd=tcfg.cautious_wd,
-                          lr_scales=role_scales_for(tcfg))
+                          lr_scales=lr_scales_for(tcfg))
+
+
+def lr_scales_for(tcfg: TrainConfig) -> Callable | None:
+    """The run's per-leaf learning-rate multipliers as one function of the updates tree (``optim.multiply_scales``
+    of every source: the groups' ``role_scales_for``); None when every multiplier is 1."""
+    return multiply_scales(role_scales_for(tcfg))
 
 
 def role_scales_for(tcfg: TrainConfig) -> Callable | None:
