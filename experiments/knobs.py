@@ -18,8 +18,9 @@ N / 700 (the main job's steps), and a finished run already in ``--out`` with the
 an ablation can be split over several commands that share the baseline's runs. ``--eval-tokens`` caps the final
 evaluation (the same first tokens of the val split for every arm; default the whole split); ``--batch-size``
 shrinks every arm's batch alike (a cheaper ablation of the same model). Each arm runs for
-each of ``--seeds`` seeds (``TrainConfig.seed``: initial parameters and batch order), seed-major (every arm of
-seed 0, then of seed 1, …) so a change of machine load hits all arms alike. Reported per arm: val bits/byte on the whole
+each of ``--seeds`` seeds (``TrainConfig.seed``: initial parameters and batch order); at equal time seed-major
+(every arm of seed 0, then of seed 1, …) so a change of machine load hits all arms alike, at equal steps
+arm-major (an arm's seeds one after another). Reported per arm: val bits/byte on the whole
 val split, mean ± 95 % interval over the seeds (``mlx_llm.stats.summarize``), and its difference from the baseline
 paired by seed (``mlx_llm.stats.paired``: the same seed is the same data order) with the p-value; the verdict says
 plainly when a difference is not significant. Written: ``experiments/results/knobs.json`` (every run's numbers,
@@ -213,7 +214,11 @@ def main(argv=None) -> int:
         arms.insert(0, BASELINE)
     for arm in arms:
         arm_overrides(arm)  # unknown arms refused before anything runs
-    rows = [run_arm(arm, seed, args.out, seconds, args) for seed in range(seeds) for arm in arms]
+    # equal time: seed-major, so a change of machine load hits every arm alike; equal steps: arm-major, so the arms
+    # done when a long ablation is stopped have all their seeds
+    order = ([(a, s) for a in arms for s in range(seeds)] if args.steps else
+             [(a, s) for s in range(seeds) for a in arms])
+    rows = [run_arm(arm, seed, args.out, seconds, args) for arm, seed in order]
     result = {"comparison": "equal steps" if args.steps else "equal wall time",
               "seconds": None if args.steps else seconds, "steps": args.steps, "seeds": seeds, "baseline": BASELINE,
               "arms": analyse(rows, arms),
