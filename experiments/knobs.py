@@ -158,6 +158,24 @@ def report(result: dict) -> None:
         print(line, flush=True)
 
 
+def markdown_table(result: dict) -> str:
+    """The docs' table: per arm its val bits/byte (mean ± 95 % half-width over the seeds), mean steps, and its
+    paired difference from the baseline with interval, p-value and whether it is significant at p < 0.05."""
+    lines = ["| arm | val bits/byte | steps | − baseline (paired) | 95 % interval | p | significant |",
+             "|---|---|---|---|---|---|---|"]
+    for arm, entry in result["arms"].items():
+        s = entry["summary"]
+        cells = [f"`{arm}`", f"{s['mean']:.4f} ± {(s['ci95'][1] - s['ci95'][0]) / 2:.4f}", f"{entry['steps_mean']:g}"]
+        if "vs_baseline" in entry:
+            d = entry["vs_baseline"]
+            cells += [f"{d['mean']:+.4f}", f"[{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}]", f"{d['p_value']:.3g}",
+                      "yes" if d["p_value"] < stats.SIGNIFICANCE else "**no**"]
+        else:
+            cells += ["—"] * 4
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def plot(result: dict, path: Path) -> None:
     """Each arm's paired difference from the baseline (val bits/byte) with its 95 % interval; significant ones
     filled."""
@@ -225,6 +243,7 @@ def main(argv=None) -> int:
               "recipe": {"model": recipe(args.quick)[0].to_dict(), "train": recipe(args.quick)[1].to_dict()},
               "args": common.arguments(args)}
     report(result)
+    print(markdown_table(result), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "knobs.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     plot(result, args.out / "knobs.png")

@@ -308,6 +308,8 @@ def test_mtp_losses_equal_the_shifted_cross_entropies():
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), {k: with_mtp[k] for k in base}, base)
     assert np.asarray(summed_loss_and_aux(base, batch, plain, jnp.float64)[0]) == np.asarray(
         summed_loss_and_aux({k: with_mtp[k] for k in base}, batch, cfg, jnp.float64)[0])
+    # decoding reads the main head only: the logits of the model with its modules are the D = 0 model's
+    np.testing.assert_array_equal(forward(with_mtp, batch["tokens"], cfg), forward(base, batch["tokens"], plain))
     check_grads(lambda p: mtp_mean_loss(h, p, batch, cfg, ctx), params, directions=2,
                 leaves=["mtp/blocks/mtp_h_proj", "mtp/blocks/mtp_e_norm", "embed"]).assert_ok()
 
