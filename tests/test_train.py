@@ -39,6 +39,7 @@ def full_run(tmp_path_factory, corpus_dir):
     return out, summary
 
 
+@pytest.mark.slow
 def test_run_directory_contents(full_run):
     out, summary = full_run
     for name in ("config.json", "train_config.json", "run.json", "tokenizer.json", "metrics.jsonl", "loss.png",
