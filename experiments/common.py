@@ -10,6 +10,8 @@ Equal time. ``train_for_seconds`` sizes a pretraining run with the library's own
 timed by ``mlx_llm.train.lm.seconds_per_step`` on the run's first batch, after compiling), the path
 ``mlx-llm train --time-budget`` takes. Fine-tuning steps have no such function in the library, so
 ``sft_steps_for`` times them here (``sft_seconds_per_step``, on real packed task rows, LoRA or full).
+Equal steps. ``train_for_steps`` trains exactly N steps (a comparison that a shared machine's load cannot bias),
+reading back a finished run of the same configs instead of training it again.
 
 Results. ``save_result(name, payload)`` writes experiments/results/NAME.json: the payload's own keys unchanged
 (a list payload becomes ``{"rows": [...]}``) plus ``provenance``: the git commit and whether the tree differed
@@ -141,6 +143,30 @@ def train_for_seconds(run_dir, cfg, tcfg, spec, budget: float, *, cache_dir=None
     tcfg = dataclasses.replace(tcfg, eval_interval=LONG, checkpoint_interval=LONG)
     summary = train_run(run_dir, cfg, tcfg, spec, cache_dir=cache_dir, show_progress=False, time_budget=budget,
                         log=log)
+    return {**summary, "step_seconds": summary["train_seconds"] / max(summary["steps_this_session"], 1)}
+
+
+def train_for_steps(run_dir, cfg, tcfg, spec, steps: int, *, cache_dir=None) -> dict:
+    """``train_run`` of exactly ``steps`` steps (the schedule sized to them), evaluation and checkpoint only at the
+    end: the equal-steps counterpart of ``train_for_seconds``, whose comparisons hold on a shared machine. A
+    ``run_dir`` that already holds a finished run of the same configs is read back instead of trained again (a run
+    is deterministic), so a comparison can be split over several commands that share its baseline; one of other
+    configs is refused. Returns the summary plus ``step_seconds`` (train_seconds / steps; the load of the machine
+    at the time, not a property of the arm)."""
+    from mlx_llm.config import ModelConfig, TrainConfig
+    from mlx_llm.runs.pretrain import train_run
+
+    run_dir = Path(run_dir)
+    tcfg = dataclasses.replace(tcfg, steps=steps, eval_interval=LONG, checkpoint_interval=LONG)
+    done = run_dir / "summary.json"
+    if done.exists():
+        same = (ModelConfig.from_json(run_dir / "config.json") == cfg
+                and TrainConfig.from_json(run_dir / "train_config.json") == tcfg)
+        if not same:
+            raise SystemExit(f"{run_dir} holds a run of other settings: give another --out, or remove it")
+        summary = json.loads(done.read_text())
+    else:
+        summary = train_run(run_dir, cfg, tcfg, spec, cache_dir=cache_dir, show_progress=False, log=lambda *a: None)
     return {**summary, "step_seconds": summary["train_seconds"] / max(summary["steps_this_session"], 1)}
 
 

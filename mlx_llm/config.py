@@ -20,13 +20,13 @@ _POSITIVE_INTS = ("vocab_size", "d_model", "n_layers", "max_seq_len")
 MIXER_KINDS = ("attn", "local", "mamba")  # "local": sliding-window attention over the last sliding_window positions
 ATTENTION_KINDS = ("attn", "local")  # the mixer kinds that are attention (same keys, layers/attention.py)
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn", "dynamic")  # ModelConfig.rope_scaling (layers/rope_scaling.py)
-FFN_KINDS = ("swiglu", "moe", "none")
+FFN_KINDS = ("swiglu", "geglu", "relu2", "moe", "none")
 ROUTERS = ("sigmoid", "softmax")
 OBJECTIVES = ("ar", "diffusion")  # TrainConfig.objective
 MESH_AXES = ("data", "fsdp", "tensor")  # TrainConfig.mesh (train/parallel.py)
 REMAT_POLICIES = ("none", "full", "dots")  # TrainConfig.remat (model.run_stack)
 _NEEDS = {"attn": ("n_heads", "n_kv_heads", "d_head"), "local": ("n_heads", "n_kv_heads", "d_head", "sliding_window"),
-          "mamba": (), "swiglu": ("d_ff",),
+          "mamba": (), "swiglu": ("d_ff",), "geglu": ("d_ff",), "relu2": ("d_ff",),
           "moe": ("n_experts", "moe_top_k", "moe_d_ff"), "none": ()}
 
 
@@ -118,6 +118,26 @@ class ModelConfig(JsonConfig):
     "fused" (one pass over positions, hand-written backward; fastest on CPU), "associative" (log depth over
     materialised (B, T, I, N) tensors), "chunked" (sequential over chunks, associative inside, memory flat in T)
     or "auto": how training and prefill run the recurrence (layers/mamba.py, kernels/ssm_scan.py).
+
+    The knobs of the speedrun stacks (modded-nanogpt, nanochat) and of Gemma 2/3, each off by default:
+    ``attn_softcap`` c_a: every attention score s (after its 1/√d scaling) becomes c_a·tanh(s/c_a) before the mask
+    and softmax (Gemma 2); ``logit_softcap`` c_o: the output logits Λ become c_o·tanh(Λ/c_o) (Gemma 2, modded-nanogpt).
+    FFN kinds "geglu" ([GELU_tanh(Y W_gate) ⊙ Y W_up] W_down, Shazeer 2020; Gemma) and "relu2" (max(0, Y W_up)²
+    W_down, So et al. 2021's squared ReLU; modded-nanogpt). ``value_embeds``: each attention layer ℓ has its own
+    table E^v_ℓ (V, h_kv, d_h) and gate λ_ℓ (init 1/2), V = X W^V + λ_ℓ·E^v_ℓ[x] (modded-nanogpt's value
+    embeddings). ``unet_skips``: layer i ≥ L/2 reads H + w_{i−L/2}·H_{L−1−i}, H_j the output of layer j < L/2,
+    weights w (init 1) at the top level (modded-nanogpt's U-net). ``zero_init_out``: the residual writers (W^O,
+    W_down, the experts' down projections, Mamba's out_proj) start at zero (modded-nanogpt), their draws still
+    taken. ``sandwich_norm``: Z = H + N_post(A(N(H))), H' = Z + N_post'(F(N(Z))) (Gemma 2/3: a norm after each
+    sublayer too, gains ``post_attn_norm``, ``post_ffn_norm``). ``norm_unit_offset``: every RMSNorm gain is
+    stored as w and applied as (1 + w), initialised at 0 (Gemma's parametrisation). ``embed_scale``: H⁽⁰⁾ =
+    √d·E[x] (Gemma; the output projection stays E or U). ``rope_local_base``: the 'local' layers rotate with
+    plain RoPE at this base, the others with ``rope_base`` and ``rope_scaling`` (Gemma 3). ``score_dim`` s:
+    scores are q·k/√s instead of q·k/√d_h (Gemma's query_pre_attn_scalar). ``window_warmup_steps`` S_w: in
+    training the 'local' layers' window grows from ``window_warmup_start`` w₀ (default W/8) to W over S_w
+    updates (``model.training_window``; modded-nanogpt's window warmup); inference always uses W.
+    ``mtp_depth`` D: D multi-token-prediction modules (DeepSeek-V3, model.mtp_hidden) trained beside the model,
+    predicting tokens t+2 … t+D+1 through the shared embedding and output head; generation never uses them.
     """
 
     vocab_size: int
@@ -162,6 +182,20 @@ class ModelConfig(JsonConfig):
     ssm_expand: int = 2
     ssm_dt_rank: int | None = None
     ssm_scan: str = "fused"
+    # The knobs of the speedrun stacks and of Gemma (each off by default: the model is then exactly the one above)
+    attn_softcap: float | None = None
+    logit_softcap: float | None = None
+    value_embeds: bool = False
+    unet_skips: bool = False
+    zero_init_out: bool = False
+    sandwich_norm: bool = False
+    norm_unit_offset: bool = False
+    embed_scale: bool = False
+    rope_local_base: float | None = None
+    score_dim: float | None = None
+    window_warmup_steps: int = 0
+    window_warmup_start: int | None = None
+    mtp_depth: int = 0
 
     def __post_init__(self) -> None:
         for name in _POSITIVE_INTS:
@@ -195,6 +229,7 @@ class ModelConfig(JsonConfig):
             self._check_moe()
         if "mamba" in self.mixer_pattern:
             self._check_mamba()
+        self._check_knobs()
 
     def _check_patterns(self) -> None:
         for name, kinds in (("mixer_pattern", MIXER_KINDS), ("ffn_pattern", FFN_KINDS)):
@@ -276,6 +311,54 @@ class ModelConfig(JsonConfig):
             raise ConfigError(f"ModelConfig.ssm_scan = {self.ssm_scan!r} is invalid: valid scans are "
                               f"{list(SSM_SCANS)}")
 
+    def _check_knobs(self) -> None:
+        """The speedrun / Gemma knobs: types, ranges, and the layers each one needs."""
+        for name in ("value_embeds", "unet_skips", "zero_init_out", "sandwich_norm", "norm_unit_offset",
+                     "embed_scale"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"ModelConfig.{name} = {getattr(self, name)!r} is invalid: it must be true or false")
+        for name in ("attn_softcap", "logit_softcap", "rope_local_base", "score_dim"):
+            if getattr(self, name) is not None:
+                _require_float(self, name, positive=True)
+        for name in ("attn_softcap", "value_embeds", "rope_local_base", "score_dim"):
+            if getattr(self, name) not in (None, False) and not self.attention:
+                raise ConfigError(f"ModelConfig.{name} = {getattr(self, name)!r} acts on attention layers, but "
+                                  f"mixer_pattern {list(self.mixer_pattern)} has none")
+        # the same model written one way only (so a config survives a round trip through transformers' fields)
+        if self.score_dim is not None and self.score_dim == self.d_head:
+            object.__setattr__(self, "score_dim", None)
+        if self.rope_local_base is not None and self.rope_local_base == self.rope_base and self.rope_scaling == "none":
+            object.__setattr__(self, "rope_local_base", None)
+        if self.rope_local_base is not None and "local" not in self.mixer_pattern:
+            raise ConfigError(f"ModelConfig.rope_local_base = {self.rope_local_base!r} is the RoPE base of the "
+                              f"sliding-window ('local') layers, but mixer_pattern {list(self.mixer_pattern)} has "
+                              f"none")
+        if self.sandwich_norm and "mamba" in self.mixer_pattern:
+            raise ConfigError("ModelConfig.sandwich_norm = true normalises attention and FFN outputs (Gemma 2/3); "
+                              "it is not defined for Mamba layers (mixer_pattern has 'mamba')")
+        if self.unet_skips:
+            half = self.n_layers // 2
+            if self.n_layers % 2 or half % self.period:
+                raise ConfigError(f"ModelConfig.unet_skips = true pairs layer i with layer L − 1 − i, so n_layers "
+                                  f"= {self.n_layers} must be even and its half ({half}) a multiple of the stack's "
+                                  f"period {self.period}")
+        _require_int(self, "window_warmup_steps", minimum=0)
+        if self.window_warmup_steps:
+            if "local" not in self.mixer_pattern:
+                raise ConfigError(f"ModelConfig.window_warmup_steps = {self.window_warmup_steps} grows the sliding "
+                                  f"window of the 'local' layers, but mixer_pattern {list(self.mixer_pattern)} has "
+                                  f"none")
+            if self.window_warmup_start is None:  # written into the config, so its JSON shows it
+                object.__setattr__(self, "window_warmup_start", max(1, self.sliding_window // 8))
+            _require_int(self, "window_warmup_start", minimum=1, maximum=self.sliding_window)
+        elif self.window_warmup_start is not None:
+            raise ConfigError(f"ModelConfig.window_warmup_start = {self.window_warmup_start!r} is the first window "
+                              f"of a window warmup, but window_warmup_steps = 0 (off): set both, or neither")
+        _require_int(self, "mtp_depth", minimum=0, maximum=64)
+        if self.mtp_depth and not self.causal:
+            raise ConfigError("ModelConfig.mtp_depth predicts later tokens from earlier ones: a bidirectional model "
+                              "(causal = false) has no next-token head to extend")
+
     # ----- the stack ---------------------------------------------------------------------------------
     @property
     def attention(self) -> bool:
@@ -333,13 +416,17 @@ class ModelConfig(JsonConfig):
         return layout.count(layout.KINDS[kind], self, active=active)
 
     def _count(self, active: bool) -> int:
-        return layout.count(layout.TOP, self) + layout.stack_count(self, active=active)
+        return (layout.count(layout.TOP, self) + layout.stack_count(self, active=active)
+                + layout.mtp_count(self, active=active))
 
     def param_count(self) -> int:
         """Trainable parameters θ, closed form (M20 §8 generalised to ``n_heads * d_head != d_model`` and to
         every layer kind): n_E·V·d + Σ_ℓ (mixer_ℓ + FFN_ℓ) + d, n_E = 1 tied, 2 untied.
 
         Dense: P = n_E·V·d + L·(2·d·h_q·d_h + 2·d·h_kv·d_h + 3·d·m + 2·d) + d.
+        The knobs' arrays count where they are declared (layers/layout.py): value embeddings V·h_kv·d_h + 1 per
+        attention layer, sandwich norms d per sublayer, the U-net's L/2 skip weights, and ``mtp_depth`` D modules
+        of 2d² + 2d plus one layer each (``layout.mtp_count``).
         """
         return self._count(active=False)
 
@@ -354,20 +441,30 @@ class ModelConfig(JsonConfig):
         return layout.stack_count(self, roles=("state",))
 
     def non_embedding_param_count(self) -> int:
-        """Parameters outside the embedding/unembedding tables (the N of scaling-law fits): θ − n_E·V·d."""
-        return self.param_count() - layout.count(layout.TOP, self, roles=("table",))
+        """Parameters outside the embedding/unembedding tables (the N of scaling-law fits): θ − n_E·V·d (less the
+        value-embedding tables too, which are lookups like E)."""
+        tables = (layout.count(layout.TOP, self, roles=("table",)) + layout.stack_count(self, roles=("table",))
+                  + layout.mtp_count(self, roles=("table",)))
+        return self.param_count() - tables
 
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
 SCHEDULES = ("cosine", "wsd")  # TrainConfig.schedule (train/optim.py)
 DECAY_SHAPES = ("1-sqrt", "linear")  # the wsd decay (optim.DECAY_SHAPES)
-OPTIMIZERS = ("adamw", "muon")  # TrainConfig.optimizer
+OPTIMIZERS = ("adamw", "muon", "normuon")  # TrainConfig.optimizer
 PARAM_COUNTS = ("non_embedding", "total", "active")  # the N a tokens-per-parameter ratio multiplies (Sizing)
+
+
+_MTP_WEIGHT = 0.3  # TrainConfig.mtp_weight's default
 
 
 def check_seq_len(cfg: "ModelConfig", tcfg: "TrainConfig", model: str = "the model") -> None:
     """A training window must fit the model it trains: ``seq_len`` ≤ ``max_seq_len`` (the one check of every run
-    kind; ``model`` names it in the message: "the model", "the base model")."""
+    kind; ``model`` names it in the message: "the model", "the base model"); and a non-default ``mtp_weight``
+    needs MTP modules to weigh (never silently unused)."""
+    if tcfg.mtp_weight != _MTP_WEIGHT and not cfg.mtp_depth:
+        raise ConfigError(f"mtp_weight = {tcfg.mtp_weight!r} weighs the multi-token-prediction loss, but {model} "
+                          f"has no MTP modules (mtp_depth = 0): set --set model.mtp_depth=D, or drop --mtp-weight")
     if tcfg.seq_len > cfg.max_seq_len:
         fix = "lower --seq-len" + (" or raise max_seq_len in the model config" if model == "the model" else "")
         raise ConfigError(f"seq_len = {tcfg.seq_len} is longer than {model}'s max_seq_len = {cfg.max_seq_len}: "
@@ -430,8 +527,21 @@ class TrainConfig(JsonConfig):
     decay_fraction: float = setting(_FIELD_DEFAULTS["decay_fraction"], "wsd: share of the steps in the final decay, in (0, 1)")
     decay_shape: str = setting(_FIELD_DEFAULTS["decay_shape"], "wsd: shape of the decay, 1-sqrt (η ∝ 1 − √p, Hägele et al.'s best) or "
                                "linear", choices=DECAY_SHAPES)
-    optimizer: str = setting("adamw", "adamw, or muon (Newton–Schulz orthogonalised momentum on each layer's "
-                             "matrices, AdamW on embeddings, norms and the rest; one lr for both)", choices=OPTIMIZERS)
+    optimizer: str = setting("adamw", "adamw, muon (Newton–Schulz orthogonalised momentum on each layer's "
+                             "matrices, AdamW on embeddings, norms and the rest; one lr for both) or normuon (Muon "
+                             "with its update normalised per output neuron, Li et al. 2025)", choices=OPTIMIZERS)
+    polar_express: bool = setting(False, "muon/normuon: orthogonalise with Polar Express's per-step optimal "
+                                  "polynomials (Amsel et al. 2025) instead of the fixed Newton–Schulz quintic")
+    cautious_wd: bool = setting(False, "cautious weight decay (Chen et al. 2025): decay only the coordinates whose "
+                                "update has the parameter's sign")
+    embed_lr_scale: float = setting(1.0, "learning-rate multiplier of the input tables (embedding, value "
+                                    "embeddings)")
+    head_lr_scale: float = setting(1.0, "learning-rate multiplier of the untied output head (tied: the "
+                                   "embedding's)")
+    scalar_lr_scale: float = setting(1.0, "learning-rate multiplier of the scalars (norm gains, biases, gates, "
+                                     "skip weights, Mamba's elementwise parameters)")
+    mtp_weight: float = setting(_MTP_WEIGHT, "weight λ of the multi-token-prediction loss, λ·mean of the "
+                                "mtp_depth extra losses (needs model.mtp_depth > 0; DeepSeek-V3: 0.3)")
     z_loss: float = setting(0.0, "weight W of PaLM's z-loss, W·(log Z)² per target token added to the loss (0: off)")
     skip_spikes: bool = setting(False, "skip an update whose gradient norm exceeds --spike-factor × the running mean "
                                 "of earlier ones (counted as spikes_skipped in the metrics)")
@@ -512,6 +622,20 @@ class TrainConfig(JsonConfig):
         if not self.spike_factor > 1:
             raise ConfigError(f"TrainConfig.spike_factor = {self.spike_factor!r} is invalid: it must be > 1")
         _require_int(self, "watch_interval", minimum=0)
+        self._check_optimizer_options()
+
+    def _check_optimizer_options(self) -> None:
+        for name in ("polar_express", "cautious_wd"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"TrainConfig.{name} = {getattr(self, name)!r} is invalid: it must be true or false")
+        if self.polar_express and self.optimizer == "adamw":
+            raise ConfigError("TrainConfig.polar_express = true replaces Muon's Newton–Schulz iteration: it needs "
+                              "--optimizer muon or normuon (adamw orthogonalises nothing)")
+        for name in ("embed_lr_scale", "head_lr_scale", "scalar_lr_scale"):
+            _require_float(self, name, positive=True)
+        _require_float(self, "mtp_weight", positive=True)
+        if self.mtp_weight > 10:
+            raise ConfigError(f"TrainConfig.mtp_weight = {self.mtp_weight!r} is invalid: it must be in (0, 10]")
 
     @property
     def params_seed(self) -> int:

@@ -17,11 +17,22 @@ def _accum_dtype(dtype) -> jnp.dtype:
     return jnp.promote_types(dtype, jnp.float32)
 
 
-def rms_norm(h_BTD: jax.Array, gamma_D: jax.Array, eps: float) -> jax.Array:
-    """M20 §4: N_γ(h) = γ ⊙ h / ρ(h), ρ(h) = sqrt(mean(h²) + ε), row by row."""
+def rms_norm(h_BTD: jax.Array, gamma_D: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """M20 §4: N_γ(h) = γ ⊙ h / ρ(h), ρ(h) = sqrt(mean(h²) + ε), row by row. ``offset`` 1 applies the gain as
+    (1 + γ) (Gemma's parametrisation, ``ModelConfig.norm_unit_offset``), computed in the accumulation dtype."""
     h = h_BTD.astype(_accum_dtype(h_BTD.dtype))
     rho = jnp.sqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
-    return (gamma_D.astype(h.dtype) * (h / rho)).astype(h_BTD.dtype)
+    gain = gamma_D.astype(h.dtype)
+    if offset:
+        gain = offset + gain
+    return (gain * (h / rho)).astype(h_BTD.dtype)
+
+
+def softcap(x: jax.Array, cap: float | None) -> jax.Array:
+    """c·tanh(x/c) (Gemma 2's logit soft-capping: smooth, odd, slope 1 at 0, bounded by ±c); ``cap`` None: x."""
+    if cap is None:
+        return x
+    return cap * jnp.tanh(x / cap)
 
 
 def rope_frequencies(d_head: int, base: float, dtype=jnp.float32) -> jax.Array:
@@ -88,11 +99,12 @@ def document_mask(segment_ids_BT: jax.Array | None, batch: int, length: int) -> 
     return segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
 
 
-def attention_scores(q_BTHK: jax.Array, k_BSGK: jax.Array, mask_BTS: jax.Array) -> jax.Array:
+def attention_scores(q_BTHK: jax.Array, k_BSGK: jax.Array, mask_BTS: jax.Array, cap: float | None = None) -> jax.Array:
     """M20 §6 scores S_j = Q̃_j K̃_g(j)ᵀ/√d_h + M of every query head, (B, G, R, T, S): query head j = g·R + r reads
     key/value head g (R = H/G). Computed in at least float32; a masked score is the most negative finite value (so
     a fully masked row, padding, gives finite weights instead of NaN). The R query heads of a group are stacked as
-    M = R·T rows against that group's S keys, so the product is one batched matrix product over (B, G)."""
+    M = R·T rows against that group's S keys, so the product is one batched matrix product over (B, G).
+    ``cap`` c: the soft-capped scores c·tanh((Q̃ K̃ᵀ/√d_h)/c) + M (Gemma 2's attention soft-capping)."""
     b, t, h, k = q_BTHK.shape
     g = k_BSGK.shape[2]
     r = h // g
@@ -100,36 +112,37 @@ def attention_scores(q_BTHK: jax.Array, k_BSGK: jax.Array, mask_BTS: jax.Array) 
     q_BGMK = q_BTHK.reshape(b, t, g, r, k).transpose(0, 2, 3, 1, 4).reshape(b, g, r * t, k)
     k_BGSK = k_BSGK.transpose(0, 2, 1, 3)
     scores_BGMS = jnp.einsum("bgmk,bgsk->bgms", q_BGMK, k_BGSK, preferred_element_type=acc)
-    scores_BGRTS = scores_BGMS.reshape(b, g, r, t, -1) / jnp.sqrt(jnp.asarray(k, acc))
+    scores_BGRTS = softcap(scores_BGMS.reshape(b, g, r, t, -1) / jnp.sqrt(jnp.asarray(k, acc)), cap)
     return jnp.where(mask_BTS[:, None, None], scores_BGRTS, jnp.finfo(acc).min)
 
 
-def attention_weights(q_BTHK: jax.Array, k_BSGK: jax.Array, mask_BTS: jax.Array) -> jax.Array:
+def attention_weights(q_BTHK: jax.Array, k_BSGK: jax.Array, mask_BTS: jax.Array, cap: float | None = None) -> jax.Array:
     """M20 §6 A_j = softmax_row(S_j), (B, G, R, T, S): each allowed row sums to one, masked keys get weight 0."""
-    return softmax(attention_scores(q_BTHK, k_BSGK, mask_BTS), axis=-1)
+    return softmax(attention_scores(q_BTHK, k_BSGK, mask_BTS, cap), axis=-1)
 
 
-def attention(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, mask_BTS: jax.Array) -> jax.Array:
+def attention(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, mask_BTS: jax.Array,
+              cap: float | None = None) -> jax.Array:
     """M20 §6 causal GQA attention: S_j = Q̃_j K̃_g(j)ᵀ/√d_h + M, A_j = softmax_row(S_j), O_j = A_j V_g(j).
 
     Query head j reads key/value head g(j) = ⌊j / R⌋, R = H/G: heads are grouped, never averaged. The weights are
     ``attention_weights``; the R query heads of a group are stacked as M = R·T rows against that group's S values,
     so O is a plain batched matrix product over (B, G) with no copy of the large weight tensor (the small Q/V/O
     tensors are transposed instead). ``mask_BTS`` is boolean; a fully masked row (padding) gives finite, ignorable
-    output instead of NaN.
+    output instead of NaN. ``cap``: soft-capped scores (``attention_scores``).
     """
     b, t, h, k = q_BTHK.shape
     g = k_BSGK.shape[2]
     r = h // g
     acc = _accum_dtype(q_BTHK.dtype)
-    probs_BGMS = attention_weights(q_BTHK, k_BSGK, mask_BTS).astype(v_BSGK.dtype).reshape(b, g, r * t, -1)
+    probs_BGMS = attention_weights(q_BTHK, k_BSGK, mask_BTS, cap).astype(v_BSGK.dtype).reshape(b, g, r * t, -1)
     v_BGSK = v_BSGK.transpose(0, 2, 1, 3)
     o_BGMK = jnp.einsum("bgms,bgsk->bgmk", probs_BGMS, v_BGSK, preferred_element_type=acc)
     return o_BGMK.reshape(b, g, r, t, k).transpose(0, 3, 1, 2, 4).reshape(b, t, h, k).astype(q_BTHK.dtype)
 
 
 def causal_attention(q_BTHK: jax.Array, k_BTGK: jax.Array, v_BTGK: jax.Array, mask_BTS: jax.Array,
-                     block: int = 64) -> jax.Array:
+                     block: int = 64, cap: float | None = None) -> jax.Array:
     """``attention`` for a causal mask over the same T positions, skipping the blocks the mask removes.
 
     Query block i (rows i·c … (i+1)·c − 1) can only read keys 0 … (i+1)·c − 1, so it is computed against those
@@ -141,10 +154,10 @@ def causal_attention(q_BTHK: jax.Array, k_BTGK: jax.Array, v_BTGK: jax.Array, ma
     while n > 1 and t % n:
         n -= 1
     if n <= 1:
-        return attention(q_BTHK, k_BTGK, v_BTGK, mask_BTS)
+        return attention(q_BTHK, k_BTGK, v_BTGK, mask_BTS, cap)
     c = t // n
     outs = [attention(q_BTHK[:, i * c:(i + 1) * c], k_BTGK[:, :(i + 1) * c], v_BTGK[:, :(i + 1) * c],
-                      mask_BTS[:, i * c:(i + 1) * c, :(i + 1) * c]) for i in range(n)]
+                      mask_BTS[:, i * c:(i + 1) * c, :(i + 1) * c], cap) for i in range(n)]
     return jnp.concatenate(outs, axis=1)
 
 
@@ -185,3 +198,20 @@ def swiglu(y_BTD: jax.Array, w_gate_DF: jax.Array, w_up_DF: jax.Array, w_down_FD
     a_BTF = dense(y_BTD, w_gate_DF)
     u_BTF = dense(y_BTD, w_up_DF)
     return dense(jax.nn.silu(a_BTF) * u_BTF, w_down_FD)
+
+
+def gelu_tanh(a: jax.Array) -> jax.Array:
+    """GELU's tanh form (Hendrycks & Gimpel 2016): a/2·(1 + tanh(√(2/π)(a + 0.044715 a³))), transformers'
+    ``gelu_pytorch_tanh``."""
+    return jax.nn.gelu(a, approximate=True)
+
+
+def geglu(y_BTD: jax.Array, w_gate_DF: jax.Array, w_up_DF: jax.Array, w_down_FD: jax.Array) -> jax.Array:
+    """GeGLU (Shazeer 2020, "GLU Variants Improve Transformer"; Gemma): F(Y) = [GELU_tanh(Y W_gate) ⊙ (Y W_up)]
+    W_down."""
+    return dense(gelu_tanh(dense(y_BTD, w_gate_DF)) * dense(y_BTD, w_up_DF), w_down_FD)
+
+
+def relu2(y_BTD: jax.Array, w_up_DF: jax.Array, w_down_FD: jax.Array) -> jax.Array:
+    """Squared ReLU (So et al. 2021, "Primer"; modded-nanogpt): F(Y) = max(0, Y W_up)² W_down."""
+    return dense(jnp.square(jax.nn.relu(dense(y_BTD, w_up_DF))), w_down_FD)

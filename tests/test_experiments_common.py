@@ -97,6 +97,34 @@ def test_script_imports_as_a_module(name, monkeypatch):
     assert Path(module.__file__).resolve() == REPO / "experiments" / f"{name}.py"
 
 
+def test_train_for_steps_trains_once_and_reads_back_a_finished_run(common, monkeypatch, tmp_path):
+    """Exactly N steps with evaluation at the end; a finished run of the same configs is read back (an equal-steps
+    ablation split over several commands shares its baseline), one of other configs is refused."""
+    from helpers import TINY, tiny_train
+    from mlx_llm.runs import pretrain
+
+    calls = []
+
+    def fake_train_run(run_dir, cfg, tcfg, spec, **kw):
+        calls.append(tcfg)
+        run_dir.mkdir(parents=True)
+        cfg.to_json(run_dir / "config.json")
+        tcfg.to_json(run_dir / "train_config.json")
+        summary = {"val_bpb": 2.5, "train_seconds": 3.0, "steps_this_session": tcfg.steps}
+        (run_dir / "summary.json").write_text(json.dumps(summary))
+        return summary
+
+    monkeypatch.setattr(pretrain, "train_run", fake_train_run)
+    first = common.train_for_steps(tmp_path / "run", TINY, tiny_train(), None, 6)
+    again = common.train_for_steps(tmp_path / "run", TINY, tiny_train(), None, 6)
+    assert len(calls) == 1 and calls[0].steps == 6
+    assert calls[0].eval_interval == calls[0].checkpoint_interval == common.LONG
+    assert first == again == {"val_bpb": 2.5, "train_seconds": 3.0, "steps_this_session": 6, "step_seconds": 0.5}
+    with pytest.raises(SystemExit, match="holds a run of other settings"):
+        common.train_for_steps(tmp_path / "run", TINY, tiny_train(lr=2e-2), None, 6)
+    assert len(calls) == 1
+
+
 def test_seeds_run_seed_major_and_give_paired_statistics(common, tmp_path):
     """run_seeds calls every arm of seed 0, then of seed 1 …; seed_statistics holds every run's value, each arm's
     summary and the paired difference from the baseline, equal to SciPy's paired t-test (and Welch's unpaired)."""

@@ -1,6 +1,8 @@
 """The transformers families researchers start from (interop/hf_config.py): Llama 3 (rope llama3), Qwen2 (q/k/v
 biases, local/global layer_types, YaRN), Qwen3 (q/k norms, sliding window, dynamic NTK), Mistral (sliding
-window), Qwen3-MoE (softmax router with norm_topk_prob). Tiny random configs built by transformers itself (no
+window), Qwen3-MoE (softmax router with norm_topk_prob), Gemma 2 (GeGLU, sandwich norms, (1 + w) gains, √d
+embedding scale, attention and final soft caps, query_pre_attn_scalar, local/global) and Gemma 3 (the same with
+q/k norms and a RoPE per layer type: linear scaling on the global layers, a base of their own on the local ones). Tiny random configs built by transformers itself (no
 download): logits equal transformers' (f32, ≤ 1e-4), greedy generation gives the same tokens with prompts longer
 than the window (the ring-buffer cache), import(export(x)) is bitwise, what transformers saves imports, an imported
 model fine-tunes, samples and exports through the CLI, and what has no equivalent is refused by name."""
@@ -42,11 +44,18 @@ def family_configs(v: int) -> dict:
         "mistral": ModelConfig(**common, d_ff=40, mixer_pattern=("local",), sliding_window=W),
         "qwen3_moe": ModelConfig(**common, qk_norm=True, ffn_pattern=("moe",), n_experts=4, moe_top_k=2,
                                  moe_d_ff=24, router="softmax"),
+        "gemma2": ModelConfig(**common, **GEMMA, attn_softcap=2.0, logit_softcap=3.0, score_dim=16.0),
+        "gemma3": ModelConfig(**{**common, "n_layers": 4}, **GEMMA, qk_norm=True, tie_embeddings=True,
+                              rope_base=1e6, rope_scaling="linear", rope_scale=0.5, rope_local_base=1e4),
     }
 
 
+# Gemma's fixed design (GeGLU, sandwich norms, (1 + w) gains, √d embedding scale) on local/global layers
+GEMMA = dict(d_ff=40, ffn_pattern=("geglu",), sandwich_norm=True, norm_unit_offset=True, embed_scale=True,
+             mixer_pattern=("local", "attn"), sliding_window=W)
 CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-           "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+           "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gemma2": "Gemma2ForCausalLM",
+           "gemma3": "Gemma3ForCausalLM"}
 
 
 def nontrivial(params, seed: int):
@@ -57,7 +66,7 @@ def nontrivial(params, seed: int):
     out = []
     for g in groups:
         g = dict(g)
-        for name in ("attn_norm", "ffn_norm", "q_norm", "k_norm", "bq", "bk", "bv"):
+        for name in ("attn_norm", "ffn_norm", "q_norm", "k_norm", "bq", "bk", "bv", "post_attn_norm", "post_ffn_norm"):
             if name in g:
                 g[name] = (g[name] + 0.3 * rng.standard_normal(g[name].shape)).astype(np.float32)
         if "router" in g:
@@ -163,7 +172,8 @@ def test_checkpoint_saved_by_transformers_imports(exported, hf_models, tmp_path,
     assert_same_params(back.params, params)
 
 
-@pytest.mark.parametrize("arch", list(CLASSES))
+# Gemma 2 differs from Gemma 3 on this path only by its soft caps, which a CLI run trains in tests/test_knobs.py
+@pytest.mark.parametrize("arch", [a for a in CLASSES if a != "gemma2"])
 def test_imported_model_finetunes_samples_and_exports_through_the_cli(exported, tmp_path, arch):
     _, _, out = exported[arch]
     assert cli_in_process("import", "--from", out, "--out", tmp_path / "base").returncode == 0
@@ -199,6 +209,9 @@ REFUSED = [
     ("qwen3_moe", {"norm_topk_prob": False}, "norm_topk_prob = False"),
     ("qwen3_moe", {"mlp_only_layers": [1]}, "mlp_only_layers"),
     ("qwen2", {"layer_types": ["chunked_attention"] * 4}, "layer_types"),
+    ("gemma2", {"hidden_activation": "gelu"}, "hidden_activation = 'gelu'"),
+    ("gemma3", {"rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1.0}}},
+     "sliding_attention layers' RoPE"),
 ]
 
 
@@ -292,3 +305,25 @@ def test_nonzero_offsets_are_named_by_their_layer_in_a_local_global_stack(tok):
     groups[0]["router_offset"][1, 3] = 0.25  # group 0 (local), row 1: layer 2
     with pytest.raises(ConfigError, match=r"2 balancing offset\(s\).*layer 1 expert 2: 0\.5, layer 2 expert 3: 0\.25"):
         check_offsets({"blocks": groups}, cfg, "Qwen3MoeForCausalLM")
+
+
+def test_knobs_without_an_equivalent_are_refused_or_dropped_by_name(tok, tmp_path):
+    """A Gemma knob on another class, a ReLU² FFN and value embeddings are refused by name; the MTP modules are
+    dropped with a line (generation never uses them); an initialisation or a training-time window rides along."""
+    cfgs = family_configs(tok.vocab_size)
+    init = jax.jit(init_params, static_argnums=0)
+    for cfg, message in ((dataclasses.replace(cfgs["llama"], attn_softcap=5.0), "soft-capping exists in Gemma"),
+                         (dataclasses.replace(cfgs["llama"], ffn_pattern=("relu2",)), r"ffn_pattern \['relu2'\]"),
+                         (dataclasses.replace(cfgs["llama"], value_embeds=True), r"\['value_embeds'\]"),
+                         (dataclasses.replace(cfgs["gemma2"], sandwich_norm=False), "sandwich_norm")):
+        with pytest.raises(ConfigError, match=message):
+            export_model(init(cfg, jax.random.key(0, impl="rbg")), cfg, tok, tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+    cfg = dataclasses.replace(cfgs["mistral"], mtp_depth=2, zero_init_out=True, window_warmup_steps=7)
+    params = jax.tree.map(np.asarray, init(cfg, jax.random.key(1, impl="rbg")))
+    lines = []
+    export_model(params, cfg, tok, tmp_path / "hf", log=lines.append)
+    assert len(lines) == 1 and "dropped the 2 multi-token-prediction module(s)" in lines[0]
+    back = load_hf(tmp_path / "hf")
+    assert back.cfg == dataclasses.replace(cfg, mtp_depth=0)
+    assert_same_params(back.params, {k: v for k, v in params.items() if k != "mtp"})

@@ -94,7 +94,8 @@ def test_layer_inits_take_their_declared_draws_in_table_order():
     assert [c[0] for c in calls] == [(2, 16, 4), (2, 4, 16, 8), (2, 4, 16, 8), (2, 4, 8, 16), (2, 1, 16, 8),
                                      (2, 1, 16, 8), (2, 1, 8, 16)]
     assert calls[0][1] == 1 / math.sqrt(16) and calls[3][1] == (1.0 / math.sqrt(8)) / math.sqrt(8)
-    assert list(p) == list(layout.MOE) and np.all(np.asarray(p["router_offset"]) == 0)
+    assert list(p) == [k for k, i in layout.MOE.items() if layout.present(i, cfg)]
+    assert np.all(np.asarray(p["router_offset"]) == 0)
     calls.clear()
     attention.init(cfg, normal, 2, jnp.float32)
     assert calls == [((2, 16, 4, 4), 0.25), ((2, 16, 2, 4), 0.25), ((2, 16, 2, 4), 0.25),
@@ -116,7 +117,7 @@ def test_moe_without_shared_experts_still_draws_them():
 
 
 def test_draws_per_kind():
-    assert _DRAWS == {"attn": 4, "local": 4, "mamba": 9, "swiglu": 3, "moe": 7, "none": 0}
+    assert _DRAWS == {"attn": 4, "local": 4, "mamba": 9, "swiglu": 3, "geglu": 3, "relu2": 2, "moe": 7, "none": 0}
     assert layout.draws(layout.TOP) == 2 and mamba.DRAWS == 9
 
 
@@ -180,7 +181,8 @@ def test_mixed_count_is_per_layer_sum():
 
 # ----- derived tables ---------------------------------------------------------------------------------------
 def test_tensor_axis_is_the_old_table():
-    assert parallel.TENSOR_AXIS == layout.tensor_axes() == OLD_TENSOR_AXIS
+    knobs = {"value_embed": 1}  # the value embeddings split with their heads
+    assert parallel.TENSOR_AXIS == layout.tensor_axes() == {**OLD_TENSOR_AXIS, **knobs}
 
 
 def test_lora_targets_are_the_old_table():
@@ -197,11 +199,13 @@ def test_lora_count_matches_declared_matrices():
 def test_roles_agree_with_the_optimizer():
     infos = layout.entries()
     norms = {k for k, i in infos.items() if i.role == "norm"}
-    assert norms == {"attn_norm", "ffn_norm", "ssm_norm", "final_norm", "q_norm", "k_norm"}
+    assert norms == {"attn_norm", "ffn_norm", "ssm_norm", "final_norm", "q_norm", "k_norm", "post_attn_norm",
+                     "post_ffn_norm", "mtp_h_norm", "mtp_e_norm"}
     # M20 §12 decays the weight matrices; Mamba's vectors and A_log, and the q/k/v biases do not decay (Gu & Dao's
-    # _no_weight_decay; biases are not matrices)
+    # _no_weight_decay; biases are not matrices), nor do the knobs' scalars (value gates, U-net skip weights)
     assert {k for k, i in infos.items() if not i.decayed} == norms | {"router_offset", "conv_b", "dt_bias",
-                                                                      "A_log", "D", "bq", "bk", "bv"}
+                                                                      "A_log", "D", "bq", "bk", "bv",
+                                                                      "value_gate", "skip_weights"}
     assert tuple(k for k, i in infos.items() if i.role == "state") == optim.ROUTING_STATE_KEYS
 
 

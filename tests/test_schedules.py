@@ -157,7 +157,8 @@ def test_z_loss_adds_w_log_z_squared_and_its_gradient(chunk):
         return jnp.sum(batch["mask"] * (nll + w * lse ** 2)), jnp.sum(batch["mask"] * w * lse ** 2)
 
     def ours(p):
-        total, (n, (_, z)) = summed_loss_and_aux(p, batch, cfg, jnp.float64, kernels=kernels, z_loss=w)
+        total, (n, (_, extras)) = summed_loss_and_aux(p, batch, cfg, jnp.float64, kernels=kernels, z_loss=w)
+        z = extras["z_loss"]
         return total, z
 
     (want, want_z), want_g = jax.value_and_grad(by_hand, has_aux=True)(params)

@@ -425,7 +425,7 @@ def cmd_export_merged(args, given: dict, parser) -> int:
 def cmd_export(args, given: dict, parser) -> int:
     from mlx_llm.interop.hf import export_run
 
-    out = export_run(args.run, args.to, step=args.step)
+    out = export_run(args.run, args.to, step=args.step, log=print)
     print(f"wrote {out}: load it with transformers' AutoModelForCausalLM.from_pretrained and AutoTokenizer")
     return 0
 

@@ -26,7 +26,7 @@ POST_RECIPES = {"sft": SFT_TRAIN, **PREF_TRAIN}
 POST_EXCLUDED = {"sft": ("objective",), "reward": ("objective", "compute_dtype", "z_loss"),
                  "dpo": ("objective", "compute_dtype", "z_loss"),
                  "rl": ("objective", "compute_dtype", "eval_tokens", "z_loss")}
-FAMILIES = "Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral or Mamba"  # interop/hf_config.py: the families mapped
+FAMILIES = "Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, Mamba, Gemma 2 or Gemma 3"  # interop/hf_config.py: the families mapped
 POST_HELP = {"sft": "fine-tune a run on conversations (full or LoRA)",
              "reward": "train a Bradley–Terry reward model on preference pairs",
              "dpo": "direct preference optimisation of a run on preference pairs",

@@ -128,7 +128,7 @@ def _cached_layer(carry, layer, kinds, i, cfg: ModelConfig, ctx: Context, n_new_
     if kinds[1] == "moe":  # routing is per token, so an MoE FFN decodes exactly like a dense one
         h_BTD, _ = FFNS["moe"].branch(h_BTD, layer, cfg, impl=ctx.kernels.moe_impl, interpret=ctx.kernels.interpret)
     elif kinds[1] != "none":
-        h_BTD, _ = FFNS[kinds[1]].branch(h_BTD, layer, cfg)
+        h_BTD, _ = FFNS[kinds[1]].branch(h_BTD, layer, cfg, kinds[1])
     return h_BTD, k, v, conv, ssm, k_ring, v_ring
 
 
@@ -201,12 +201,20 @@ def forward_cached(params: Params, tokens_BT, cache: DecodeState, cfg: ModelConf
     slots_BT = jnp.where(t_T[None, :] < n_new_B[:, None], positions_BT, cache.max_len)
 
     ring = ring_context(cfg, cache.lengths, n_new_B, t) if cache.k_ring is not None else None
-    ctx = Context(positions_BT, None if fresh else mask_BTS, slots_BT=slots_BT, kernels=resolved(kernels), ring=ring)
-    carry = (embed(params, tokens_BT), cache.k, cache.v, cache.conv, cache.ssm, cache.k_ring, cache.v_ring)
+    ctx = Context(positions_BT, None if fresh else mask_BTS, slots_BT=slots_BT, kernels=resolved(kernels), ring=ring,
+                  tokens_BT=tokens_BT)
+    carry = (embed(params, tokens_BT, cfg), cache.k, cache.v, cache.conv, cache.ssm, cache.k_ring, cache.v_ring)
     index = kind_index(cfg)
+    if cfg.unet_skips and layers is None:  # the skips pair layers across the stack: run them one by one
+        layers = unstack_layers(params, cfg)
     if layers is not None:
+        half, outs = cfg.n_layers // 2, []
         for l, layer in enumerate(layers):
+            if cfg.unet_skips and l >= half:  # H + w_{l−U}·H_{L−1−l} (model._unet_stack)
+                h_BTD = carry[0] + params["skip_weights"][l - half].astype(carry[0].dtype) * outs[cfg.n_layers - 1 - l]
+                carry = (h_BTD, *carry[1:])
             carry = _cached_layer(carry, layer, cfg.layer_kinds(l), index[l], cfg, ctx, n_new_B)
+            outs.append(carry[0])
     else:
         per_period = {kind: sum(k[0] == kind for k in cfg.group_kinds) for kind in ("attn", "local", "mamba")}
 

@@ -2,7 +2,7 @@
 
 ``export_run(run_dir, out_dir)`` writes ``config.json``, ``model.safetensors``, ``tokenizer.json``,
 ``tokenizer_config.json`` and ``generation_config.json``: ``AutoModelForCausalLM.from_pretrained(out_dir)`` and
-``AutoTokenizer.from_pretrained(out_dir)`` load it (the seven families of ``hf_config.CLASSES``).
+``AutoTokenizer.from_pretrained(out_dir)`` load it (the nine families of ``hf_config.CLASSES``).
 ``import_hf(hf_dir, run_dir)`` writes a run directory (config.json, train_config.json, run.json, tokenizer.json,
 one checkpoint) that ``mlx-llm generate / eval / sft --base`` use like any other. import(export(x)) gives back
 x's parameters and ModelConfig bit for bit.
@@ -58,12 +58,25 @@ def check_offsets(params: dict, cfg: ModelConfig, name: str = "MixtralForCausalL
                           f"choose other experts than this model (train with offset_rate = 0 to export)")
 
 
+def without_mtp(params: dict, cfg: ModelConfig, log=None) -> tuple[dict, ModelConfig]:
+    """The model without its multi-token-prediction modules (``mtp_depth`` D, DeepSeek-V3): transformers' causal-LM
+    classes have none, and generation never uses them, so export drops them and says so through ``log``."""
+    if not cfg.mtp_depth:
+        return params, cfg
+    if log is not None:
+        log(f"export: dropped the {cfg.mtp_depth} multi-token-prediction module(s) (mtp_depth = {cfg.mtp_depth}): "
+            f"transformers has no such modules; the exported model generates exactly as this one does")
+    return {k: v for k, v in params.items() if k != "mtp"}, dataclasses.replace(cfg, mtp_depth=0)
+
+
 def export_model(params: dict, cfg: ModelConfig, tok: tok_lib.Tokenizer, out_dir, *,
-                 provenance: dict | None = None) -> Path:
+                 provenance: dict | None = None, log=None) -> Path:
     """Write the transformers checkpoint directory of ``params`` (our layout, DESIGN §1) with ``tok``.
-    Everything is checked before anything is written; ``provenance`` goes into config.json's "mlx_llm" block."""
+    Everything is checked before anything is written; ``provenance`` goes into config.json's "mlx_llm" block.
+    MTP modules are dropped, with a line to ``log`` (``without_mtp``)."""
     from safetensors.numpy import save_file
 
+    params, cfg = without_mtp(params, cfg, log)
     arch = hf_config.architecture(cfg)
     if arch in hf_config.MOE_ARCHS:
         check_offsets(params, cfg, hf_config.CLASSES[arch])
@@ -94,10 +107,10 @@ def tensors_dtype(tensors: dict) -> np.dtype:
     return dtypes.pop()
 
 
-def export_run(run_dir, out_dir, *, step: int | None = None) -> Path:
+def export_run(run_dir, out_dir, *, step: int | None = None, log=None) -> Path:
     """Export a run's checkpoint (latest, or ``step``): a pretrained or fine-tuned language model; a LoRA run
     is exported with its adapters folded into the base (``runs.load.load_params``). Reward models and
-    masked-diffusion runs are refused."""
+    masked-diffusion runs are refused; MTP modules are dropped with a line to ``log``."""
     run = open_run(run_dir)
     cfg, tcfg = run.cfg, run.tcfg
     if run.kind == "reward":
@@ -107,7 +120,7 @@ def export_run(run_dir, out_dir, *, step: int | None = None) -> Path:
         raise ConfigError(f"cannot export {run.path}: it is a masked-diffusion denoiser (objective "
                           f"{tcfg.objective!r}, causal = {cfg.causal}); transformers' causal-LM classes predict "
                           f"the next token from earlier ones only")
-    hf_config.architecture(cfg)  # refuse before restoring anything
+    hf_config.architecture(dataclasses.replace(cfg, mtp_depth=0))  # refuse before restoring anything
     check_new_dir(Path(out_dir), "export directory")
     tok = hf_tokenizer.run_tokenizer(run.path, run.record.template)  # with the run's chat template
     if tok.external:
@@ -119,7 +132,7 @@ def export_run(run_dir, out_dir, *, step: int | None = None) -> Path:
     provenance = {"run": str(run.path.resolve()), "step": step,
                   "data": None if run.record.data is None else run.record.data.to_dict(),
                   "train_config": tcfg.to_dict()}
-    return export_model(jax_to_numpy(params), cfg, tok, out_dir, provenance=provenance)
+    return export_model(jax_to_numpy(params), cfg, tok, out_dir, provenance=provenance, log=log)
 
 
 def jax_to_numpy(tree):

@@ -9,9 +9,17 @@
 | ``("attn",)`` or ``("local",)`` + ``("moe",)``, softmax router, no shared experts | ``MixtralForCausalLM`` |
 | the same with ``qk_norm`` (``norm_topk_prob``; windows through ``layer_types``) | ``Qwen3MoeForCausalLM`` |
 | ``("mamba",)`` + ``("none",)`` | ``MambaForCausalLM`` |
+| ``("attn",)`` / ``("local", "attn")`` … + ``("geglu",)``, sandwich norms, (1 + w) gains, √d embedding scale, soft caps | ``Gemma2ForCausalLM`` |
+| the same with ``qk_norm`` and the local layers' RoPE base | ``Gemma3ForCausalLM`` (Gemma 3 text) |
 
 Export picks the class from the config (``architecture``): Mamba; MoE → Qwen3-MoE with ``qk_norm``, else Mixtral;
-SwiGLU → Qwen3 with ``qk_norm``, Qwen2 with ``qkv_bias``, Mistral when every layer is windowed, else Llama.
+GeGLU → Gemma 3 with ``qk_norm``, else Gemma 2; SwiGLU → Qwen3 with ``qk_norm``, Qwen2 with ``qkv_bias``, Mistral
+when every layer is windowed, else Llama. Gemma's windows are per layer (``layer_types``); its
+``query_pre_attn_scalar`` is our ``score_dim`` (unset: d_head), its soft caps ours; Gemma 3's ``rope_parameters``
+holds one entry per layer type (ours: ``rope_base`` and its scaling for the global layers, ``rope_local_base`` for
+the local ones). Knobs that change no output of a trained model (``zero_init_out``, the window warmup) ride
+along; the MTP modules (``mtp_depth``) have no transformers equivalent and are dropped on export
+(``interop.hf.export_model`` says so).
 Every ``ModelConfig`` field is in one of four groups per architecture: written as a transformers field
 (``MAPPED``, with the RoPE scaling in ``rope_parameters`` and windows in ``sliding_window`` / ``layer_types``);
 pinned to the one value transformers computes (``PINNED``: anything else is refused by name); unused
@@ -29,13 +37,14 @@ import math
 from mlx_llm.config import ATTENTION_KINDS, ModelConfig
 from mlx_llm.errors import ConfigError
 
-LLAMA, QWEN2, QWEN3, MISTRAL, MIXTRAL, QWEN3_MOE, MAMBA = (
-    "llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "mamba")
+LLAMA, QWEN2, QWEN3, MISTRAL, MIXTRAL, QWEN3_MOE, MAMBA, GEMMA2, GEMMA3 = (
+    "llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "mamba", "gemma2", "gemma3_text")
 CLASSES = {LLAMA: "LlamaForCausalLM", QWEN2: "Qwen2ForCausalLM", QWEN3: "Qwen3ForCausalLM",
            MISTRAL: "MistralForCausalLM", MIXTRAL: "MixtralForCausalLM", QWEN3_MOE: "Qwen3MoeForCausalLM",
-           MAMBA: "MambaForCausalLM"}
+           MAMBA: "MambaForCausalLM", GEMMA2: "Gemma2ForCausalLM", GEMMA3: "Gemma3ForCausalLM"}
 MOE_ARCHS = (MIXTRAL, QWEN3_MOE)
-LAYER_TYPES_ARCHS = (QWEN2, QWEN3, QWEN3_MOE)  # windows per layer through ``layer_types``
+GEMMA_ARCHS = (GEMMA2, GEMMA3)
+LAYER_TYPES_ARCHS = (QWEN2, QWEN3, QWEN3_MOE) + GEMMA_ARCHS  # windows per layer through ``layer_types``
 WINDOW_ALL_ARCHS = (MISTRAL, MIXTRAL)  # one ``sliding_window`` for every layer
 _ROPE = ("rope_base", "rope_scale", "rope_scaling", "rope_factor", "rope_original_max_len", "rope_low_freq_factor",
          "rope_high_freq_factor", "rope_beta_fast", "rope_beta_slow", "rope_mscale", "rope_mscale_all_dim",
@@ -43,18 +52,26 @@ _ROPE = ("rope_base", "rope_scale", "rope_scaling", "rope_factor", "rope_origina
 _ATTN = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_head", "norm_eps", "tie_embeddings",
          "max_seq_len", "mixer_pattern", "sliding_window") + _ROPE
 _EXPERTS = ("n_experts", "moe_top_k", "moe_d_ff")
+_GEMMA = _ATTN + ("d_ff", "attn_softcap", "logit_softcap", "score_dim")
 MAPPED = {
     **{arch: _ATTN + ("d_ff",) for arch in (LLAMA, QWEN2, QWEN3, MISTRAL)},
     **{arch: _ATTN + _EXPERTS for arch in MOE_ARCHS},
     MAMBA: ("vocab_size", "d_model", "n_layers", "norm_eps", "tie_embeddings", "ssm_state", "ssm_conv",
             "ssm_expand", "ssm_dt_rank"),
+    GEMMA2: _GEMMA, GEMMA3: _GEMMA + ("rope_local_base",),
 }
-_PLAIN = {"causal": True, "qkv_bias": False, "qk_norm": False}
+# The knobs of Gemma's computation: off in every other class (a config with one set exports only as Gemma)
+_NO_GEMMA = {"sandwich_norm": False, "norm_unit_offset": False, "embed_scale": False, "attn_softcap": None,
+             "logit_softcap": None, "score_dim": None, "rope_local_base": None}
+_PLAIN = {"causal": True, "qkv_bias": False, "qk_norm": False, **_NO_GEMMA}
+_GEMMA_PINNED = {"causal": True, "qkv_bias": False, "sandwich_norm": True, "norm_unit_offset": True,
+                 "embed_scale": True}
 PINNED = {
-    LLAMA: _PLAIN, MISTRAL: _PLAIN, MAMBA: {"causal": True},
+    LLAMA: _PLAIN, MISTRAL: _PLAIN, MAMBA: {"causal": True, **_NO_GEMMA},
     QWEN2: {**_PLAIN, "qkv_bias": True}, QWEN3: {**_PLAIN, "qk_norm": True},
     MIXTRAL: {**_PLAIN, "router": "softmax", "n_shared_experts": 0},
     QWEN3_MOE: {**_PLAIN, "qk_norm": True, "router": "softmax", "n_shared_experts": 0},
+    GEMMA2: {**_GEMMA_PINNED, "qk_norm": False, "rope_local_base": None}, GEMMA3: {**_GEMMA_PINNED, "qk_norm": True},
 }
 _WHY = {
     "causal": "a bidirectional model (causal = false, a masked-diffusion denoiser) has no transformers causal-LM "
@@ -64,14 +81,23 @@ _WHY = {
     "n_shared_experts": "shared (always-run) experts have no place in MixtralForCausalLM or Qwen3MoeForCausalLM",
     "qkv_bias": "q/k/v biases exist in Qwen2 only (Llama's attention_bias also biases o_proj, and Qwen3 adds "
                 "q/k norms)",
-    "qk_norm": "q/k RMSNorm exists in Qwen3 and Qwen3-MoE only",
+    "qk_norm": "q/k RMSNorm exists in Qwen3, Qwen3-MoE and Gemma 3 only (and Gemma 3 always has it)",
+    "sandwich_norm": "the norms after each sublayer (sandwich_norm) exist in Gemma 2/3 only, which always have them",
+    "norm_unit_offset": "the (1 + w) gains exist in Gemma 2/3 only, which always use them",
+    "embed_scale": "the √d embedding scale exists in Gemma 2/3 only, which always apply it",
+    "attn_softcap": "attention soft-capping exists in Gemma 2/3 only",
+    "logit_softcap": "final-logit soft-capping exists in Gemma 2/3 only",
+    "score_dim": "a score scale other than 1/√d_head (query_pre_attn_scalar) exists in Gemma 2/3 only",
+    "rope_local_base": "a RoPE base of their own for the local layers exists in Gemma 3 only",
 }
 # Fields an architecture does not map (unused by it, or without effect on its outputs): carried in config.json's
 # "mlx_llm" block (those of ``CARRIED`` outside ``MAPPED[arch]``).
+# (the knobs that change no output of a trained model — an initialisation, a training-time window — ride along too)
 CARRIED = ("d_ff", "n_heads", "n_kv_heads", "d_head", "max_seq_len", "n_experts", "moe_top_k", "moe_d_ff",
            "router", "router_eps", "offset_rate", "n_shared_experts", "ssm_state", "ssm_conv", "ssm_expand",
-           "ssm_dt_rank", "ssm_scan", "sliding_window") + _ROPE
-KNOWN = (set(CARRIED) | {f for fields in MAPPED.values() for f in fields}
+           "ssm_dt_rank", "ssm_scan", "sliding_window", "zero_init_out", "window_warmup_steps",
+           "window_warmup_start") + _ROPE
+KNOWN = (set(CARRIED) | {f for fields in MAPPED.values() for f in fields} | set(_NO_GEMMA)
          | {"causal", "mixer_pattern", "ffn_pattern", "qkv_bias", "qk_norm"}
          | {"vocab_used"})  # a padded vocabulary: the tokenizer's size says it (interop/hf.py), both ways
 MAMBA_MAX_SEQ_LEN = 2048  # an imported Mamba without our block: transformers' Mamba has no length limit
@@ -82,14 +108,16 @@ def _choose(cfg: ModelConfig) -> str:
     mixers, ffns = set(cfg.mixer_pattern), cfg.ffn_pattern
     if cfg.mixer_pattern == ("mamba",) and ffns == ("none",):
         return MAMBA
-    if not mixers <= set(ATTENTION_KINDS) or ffns not in (("swiglu",), ("moe",)):
+    if not mixers <= set(ATTENTION_KINDS) or ffns not in (("swiglu",), ("moe",), ("geglu",)):
         raise ConfigError(
             f"cannot export mixer_pattern {list(cfg.mixer_pattern)} with ffn_pattern {list(ffns)}: transformers "
             f"has no class for this stack (hybrid or mixed stacks have no equivalent); exportable are attention "
             f"('attn'/'local') + ['swiglu'] (Llama, Qwen2, Qwen3, Mistral), + ['moe'] (Mixtral, Qwen3-MoE), "
-            f"['mamba'] + ['none'] (Mamba)")
+            f"+ ['geglu'] (Gemma 2, Gemma 3), ['mamba'] + ['none'] (Mamba)")
     if ffns == ("moe",):
         return QWEN3_MOE if cfg.qk_norm else MIXTRAL
+    if ffns == ("geglu",):
+        return GEMMA3 if cfg.qk_norm else GEMMA2
     if cfg.qk_norm:
         return QWEN3
     if cfg.qkv_bias:
@@ -113,6 +141,9 @@ def architecture(cfg: ModelConfig) -> str:
                           f"export does not know them, so it cannot say that transformers computes the same model")
     if arch != MAMBA:
         _check_attention_exportable(cfg, arch)
+    if arch in GEMMA_ARCHS and cfg.score_dim is not None and not float(cfg.score_dim).is_integer():
+        raise ConfigError(f"cannot export score_dim = {cfg.score_dim!r} as {CLASSES[arch]}: its "
+                          f"query_pre_attn_scalar is an integer")
     return arch
 
 
@@ -152,6 +183,9 @@ def to_hf(cfg: ModelConfig, arch: str, special_ids: dict[str, int], extras: dict
     attn = {"num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.d_head,
             "max_position_embeddings": _hf_max_positions(cfg), "rms_norm_eps": cfg.norm_eps,
             "attention_dropout": 0.0, "rope_parameters": _rope_parameters(cfg), **_window_fields(cfg, arch)}
+    if arch in GEMMA_ARCHS:
+        common.pop("hidden_act")
+        return {**common, **attn, **_gemma_fields(cfg, arch), **block}
     if arch in MOE_ARCHS:
         ffn = {"num_experts_per_tok": cfg.moe_top_k, "router_jitter_noise": 0.0, "output_router_logits": False}
         if arch == MIXTRAL:
@@ -164,6 +198,19 @@ def to_hf(cfg: ModelConfig, arch: str, special_ids: dict[str, int], extras: dict
     bias = {"attention_bias": False} if arch in (LLAMA, QWEN3) else {}
     return {**common, **attn, "intermediate_size": cfg.d_ff, **bias, **({"mlp_bias": False} if arch == LLAMA else {}),
             **block}
+
+
+def _gemma_fields(cfg: ModelConfig, arch: str) -> dict:
+    """Gemma 2/3's own keys: the GeGLU width and activation, query_pre_attn_scalar, the soft caps, and Gemma 3's
+    RoPE per layer type (the local layers at ``rope_local_base``, else as the global ones)."""
+    out = {"intermediate_size": cfg.d_ff, "hidden_activation": "gelu_pytorch_tanh", "attention_bias": False,
+           "query_pre_attn_scalar": int(cfg.score_dim or cfg.d_head), "attn_logit_softcapping": cfg.attn_softcap,
+           "final_logit_softcapping": cfg.logit_softcap, "use_bidirectional_attention": False}
+    if arch == GEMMA3:
+        full = _rope_parameters(cfg)
+        local = full if cfg.rope_local_base is None else {"rope_type": "default", "rope_theta": cfg.rope_local_base}
+        out["rope_parameters"] = {"full_attention": full, "sliding_attention": local}
+    return out
 
 
 def _hf_max_positions(cfg: ModelConfig) -> int:
@@ -179,6 +226,9 @@ def _window_fields(cfg: ModelConfig, arch: str) -> dict:
     if arch == LLAMA:
         return {}
     kinds = [cfg.layer_kinds(l)[0] for l in range(cfg.n_layers)]
+    types = ["sliding_attention" if k == "local" else "full_attention" for k in kinds]
+    if arch in GEMMA_ARCHS:
+        return {"sliding_window": cfg.sliding_window if local else None, "layer_types": types}
     return {"use_sliding_window": local, "sliding_window": cfg.sliding_window if local else None,
             "max_window_layers": 0 if local else cfg.n_layers,
             "layer_types": ["sliding_attention" if k == "local" else "full_attention" for k in kinds]}
@@ -249,7 +299,8 @@ def from_hf(hf: dict, arch: str, source: str) -> ModelConfig:
             raise
         raise ConfigError(f"{source}: a field of the {CLASSES[arch]} config has a value of the wrong kind or range "
                           f"({type(exc).__name__}: {exc})") from None
-    ffn = {MAMBA: ("none",), **{a: ("moe",) for a in MOE_ARCHS}}.get(arch, ("swiglu",))
+    ffn = {MAMBA: ("none",), **{a: ("moe",) for a in MOE_ARCHS}, **{a: ("geglu",) for a in GEMMA_ARCHS}}.get(
+        arch, ("swiglu",))
     fixed = {"ffn_pattern": ffn, **PINNED[arch], **({"mixer_pattern": ("mamba",)} if arch == MAMBA else {})}
     carried = {k: v for k, v in block.items() if k in CARRIED and k not in mapped and k not in fixed}
     if arch == MAMBA:
@@ -270,8 +321,8 @@ def _require(hf: dict, source: str, key: str, allowed, default):
     return value
 
 
-def _common_from_hf(hf: dict, source: str, tie_default: bool) -> dict:
-    _require(hf, source, "hidden_act", ["silu", "swish"], "silu")
+def _common_from_hf(hf: dict, source: str, tie_default: bool, act: tuple = ("hidden_act", ["silu", "swish"])) -> dict:
+    _require(hf, source, act[0], act[1], act[1][0])
     for key in ("vocab_size", "hidden_size", "num_hidden_layers"):
         if key not in hf:
             raise ConfigError(f"{source}: {key} is missing")
@@ -297,7 +348,11 @@ def _mamba_from_hf(hf: dict, source: str) -> dict:
 
 # transformers' class defaults for the keys a config.json may leave out: (rms_norm_eps, rope_theta, max positions)
 _DEFAULTS = {LLAMA: (1e-6, 10000.0, 2048), QWEN2: (1e-6, 10000.0, 32768), QWEN3: (1e-6, 10000.0, 32768),
-             MISTRAL: (1e-6, 10000.0, 4096 * 32), MIXTRAL: (1e-5, 1e6, 4096 * 32), QWEN3_MOE: (1e-6, 10000.0, 32768)}
+             MISTRAL: (1e-6, 10000.0, 4096 * 32), MIXTRAL: (1e-5, 1e6, 4096 * 32), QWEN3_MOE: (1e-6, 10000.0, 32768),
+             GEMMA2: (1e-6, 10000.0, 8192), GEMMA3: (1e-6, 1e6, 131072)}
+# Gemma's class defaults: (attn_logit_softcapping, final_logit_softcapping), Gemma 3's local RoPE base
+_GEMMA_CAPS = {GEMMA2: (50.0, 30.0), GEMMA3: (None, None)}
+GEMMA3_LOCAL_BASE = 10000.0
 
 
 def _attention_arch_from_hf(hf: dict, arch: str, source: str) -> dict:
@@ -305,17 +360,27 @@ def _attention_arch_from_hf(hf: dict, arch: str, source: str) -> dict:
     if arch == LLAMA:
         _require(hf, source, "attention_bias", [False], False)
         _require(hf, source, "mlp_bias", [False], False)
-    if arch in (QWEN3, QWEN3_MOE):
+    if arch in (QWEN3, QWEN3_MOE) + GEMMA_ARCHS:
         _require(hf, source, "attention_bias", [False], False)
     eps, theta, max_len = _DEFAULTS[arch]
     heads = hf.get("num_attention_heads")
     if heads is None:
         raise ConfigError(f"{source}: num_attention_heads is missing")
-    out = {**_common_from_hf(hf, source, tie_default=False), "n_heads": heads,
+    gemma = arch in GEMMA_ARCHS
+    act = ("hidden_activation", ["gelu_pytorch_tanh"]) if gemma else ("hidden_act", ["silu", "swish"])
+    rope = _gemma3_rope_from_hf(hf, source) if arch == GEMMA3 else _rope_from_hf(hf, source, theta)
+    out = {**_common_from_hf(hf, source, tie_default=gemma, act=act), "n_heads": heads,
            "n_kv_heads": hf.get("num_key_value_heads") or heads,
            "d_head": hf.get("head_dim") or hf["hidden_size"] // heads, "norm_eps": hf.get("rms_norm_eps", eps),
-           "max_seq_len": hf.get("max_position_embeddings", max_len), **_rope_from_hf(hf, source, theta)}
+           "max_seq_len": hf.get("max_position_embeddings", max_len), **rope}
     out |= _windows_from_hf(hf, arch, source, out["n_layers"], out["max_seq_len"])
+    if gemma:
+        _require(hf, source, "use_bidirectional_attention", [False, None], False)
+        qpas = hf.get("query_pre_attn_scalar", 256)
+        caps = {k: hf.get(k, default) for k, default in zip(("attn_logit_softcapping", "final_logit_softcapping"),
+                                                           _GEMMA_CAPS[arch])}
+        return {**out, "d_ff": hf.get("intermediate_size"), "score_dim": None if qpas == out["d_head"] else qpas,
+                "attn_softcap": caps["attn_logit_softcapping"], "logit_softcap": caps["final_logit_softcapping"]}
     if arch == MIXTRAL:
         return {**out, "n_experts": hf.get("num_local_experts", 8), "moe_top_k": hf.get("num_experts_per_tok", 2),
                 "moe_d_ff": hf.get("intermediate_size")}
@@ -361,6 +426,29 @@ def _rope_from_hf(hf: dict, source: str, theta_default: float) -> dict:
             "rope_truncate": rope.get("truncate", True)}
 
 
+def _gemma3_rope_from_hf(hf: dict, source: str) -> dict:
+    """Gemma 3's RoPE: ``rope_parameters`` per layer type (transformers 5) or the older ``rope_theta``,
+    ``rope_scaling`` and ``rope_local_base_freq``. The global layers' entry gives ours; the local layers' is ours
+    too (``rope_local_base`` unset) or plain RoPE at a base of its own (``rope_local_base``)."""
+    params = hf.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        full = params.get("full_attention") or {"rope_type": "default"}
+        local = params.get("sliding_attention") or {"rope_type": "default"}
+    else:
+        full = {**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta", _DEFAULTS[GEMMA3][1])}
+        full.setdefault("rope_type", full.pop("type", "default"))
+        local = {"rope_type": "default", "rope_theta": hf.get("rope_local_base_freq", GEMMA3_LOCAL_BASE)}
+    full = {**full, "rope_theta": full.get("rope_theta", _DEFAULTS[GEMMA3][1])}
+    local = {**local, "rope_theta": local.get("rope_theta", GEMMA3_LOCAL_BASE)}
+    out = _rope_from_hf({**hf, "rope_parameters": full}, source, _DEFAULTS[GEMMA3][1])
+    if local == full:
+        return out
+    if local.get("rope_type", "default") != "default" or set(local) - {"rope_type", "rope_theta"}:
+        raise ConfigError(f"{source}: the sliding_attention layers' RoPE {local!r} has no mlx_llm equivalent: local "
+                          f"layers rotate like the global ones or plainly at a base of their own")
+    return {**out, "rope_local_base": local["rope_theta"]}
+
+
 def _windows_from_hf(hf: dict, arch: str, source: str, n_layers: int, max_len: int) -> dict:
     """``mixer_pattern`` and ``sliding_window`` from ``sliding_window`` (Mistral, Mixtral: every layer) or
     ``layer_types`` (Qwen2/3: per layer; computed from use_sliding_window / max_window_layers when absent)."""
@@ -370,10 +458,15 @@ def _windows_from_hf(hf: dict, arch: str, source: str, n_layers: int, max_len: i
     if arch in WINDOW_ALL_ARCHS:
         local = window is not None and window < max_len
         return {"mixer_pattern": ("local",), "sliding_window": window} if local else {"mixer_pattern": ("attn",)}
-    window = window if hf.get("use_sliding_window", False) or hf.get("layer_types") else None
-    types = hf.get("layer_types") or [
-        "sliding_attention" if window is not None and l >= hf.get("max_window_layers", n_layers) else "full_attention"
-        for l in range(n_layers)]
+    if arch in GEMMA_ARCHS:  # Gemma 2 alternates from a local layer 0; Gemma 3 has 5 local to 1 global
+        every = 2 if arch == GEMMA2 else hf.get("sliding_window_pattern", 6)
+        types = hf.get("layer_types") or ["sliding_attention" if (l + 1) % every else "full_attention"
+                                          for l in range(n_layers)]
+    else:
+        window = window if hf.get("use_sliding_window", False) or hf.get("layer_types") else None
+        types = hf.get("layer_types") or [
+            "sliding_attention" if window is not None and l >= hf.get("max_window_layers", n_layers)
+            else "full_attention" for l in range(n_layers)]
     known = {"full_attention": "attn", "sliding_attention": "local"}
     if len(types) != n_layers or any(t not in known for t in types):
         raise ConfigError(f"{source}: layer_types {types!r} is invalid: one of {sorted(known)} per layer "

@@ -12,6 +12,10 @@ is exact bit for bit.
   up / down), Qwen3-MoE's ``mlp.gate`` and ``mlp.experts.{e}.{gate,up,down}_proj`` (the layouts of the published
   checkpoints, which transformers 5 fuses on load; its own fused ``experts.gate_up_proj / down_proj`` layout is
   read too), ``model.norm``, ``lm_head``.
+- Gemma 2 / Gemma 3: the attention names above (Gemma 3's q/k norms), then ``post_attention_layernorm`` (our
+  ``post_attn_norm``: Gemma's sandwich norm, not the FFN's pre-norm), ``pre_feedforward_layernorm`` (our
+  ``ffn_norm``), ``mlp.{gate,up,down}_proj`` (GeGLU), ``post_feedforward_layernorm`` (our ``post_ffn_norm``);
+  every gain is Gemma's w of (1 + w), stored as is (``norm_unit_offset``).
 - Mamba: ``backbone.embeddings``, ``backbone.layers.{l}.norm``, ``mixer.in_proj`` = [W_x; W_z]ᵀ,
   ``mixer.conv1d`` (I, 1, W) from ``conv_w`` (W, I) (both in cross-correlation order: tap k reads position
   t − (W−1) + k, DESIGN §1), ``mixer.x_proj`` = [W_dt; W_B; W_C]ᵀ, ``mixer.dt_proj`` (weight and bias = our
@@ -24,7 +28,7 @@ import numpy as np
 
 from mlx_llm.config import ModelConfig
 from mlx_llm.errors import CheckpointError
-from mlx_llm.interop.hf_config import MAMBA, MIXTRAL, MOE_ARCHS
+from mlx_llm.interop.hf_config import GEMMA_ARCHS, MAMBA, MIXTRAL, MOE_ARCHS
 
 PREFIX = {MAMBA: "backbone.", "attn": "model."}
 TOP = {MAMBA: ("embeddings.weight", "norm_f.weight"), "attn": ("embed_tokens.weight", "norm.weight")}
@@ -60,6 +64,13 @@ def swiglu_to_hf(layer: dict) -> dict:
             "mlp.up_proj.weight": _t(layer["w_up"]), "mlp.down_proj.weight": _t(layer["w_down"])}
 
 
+def gemma_ffn_to_hf(layer: dict) -> dict:
+    return {"post_attention_layernorm.weight": layer["post_attn_norm"],
+            "pre_feedforward_layernorm.weight": layer["ffn_norm"],
+            "post_feedforward_layernorm.weight": layer["post_ffn_norm"], "mlp.gate_proj.weight": _t(layer["w_gate"]),
+            "mlp.up_proj.weight": _t(layer["w_up"]), "mlp.down_proj.weight": _t(layer["w_down"])}
+
+
 # The published per-expert names: Mixtral's w1/w3/w2, Qwen3-MoE's gate/up/down_proj.
 MOE_NAMES = {MIXTRAL: ("block_sparse_moe.", ("w1", "w3", "w2")), "qwen3_moe": ("mlp.", ("gate_proj", "up_proj",
                                                                                          "down_proj"))}
@@ -88,6 +99,8 @@ def mamba_to_hf(layer: dict) -> dict:
 def layer_to_hf(layer: dict, cfg: ModelConfig, arch: str) -> dict:
     if arch == MAMBA:
         return mamba_to_hf(layer)
+    if arch in GEMMA_ARCHS:
+        return {**attn_to_hf(layer, cfg), **gemma_ffn_to_hf(layer)}
     ffn = moe_to_hf(layer, cfg, arch) if arch in MOE_ARCHS else swiglu_to_hf(layer)
     return {**attn_to_hf(layer, cfg), **ffn}
 
@@ -183,6 +196,15 @@ def swiglu_from_hf(r: Reader, p: str, cfg: ModelConfig) -> dict:
             "w_down": r.linear(p + "mlp.down_proj.weight", m, d)}
 
 
+def gemma_ffn_from_hf(r: Reader, p: str, cfg: ModelConfig) -> dict:
+    d, m = cfg.d_model, cfg.d_ff
+    return {"post_attn_norm": r.take(p + "post_attention_layernorm.weight", (d,)),
+            "ffn_norm": r.take(p + "pre_feedforward_layernorm.weight", (d,)),
+            "post_ffn_norm": r.take(p + "post_feedforward_layernorm.weight", (d,)),
+            "w_gate": r.linear(p + "mlp.gate_proj.weight", d, m), "w_up": r.linear(p + "mlp.up_proj.weight", d, m),
+            "w_down": r.linear(p + "mlp.down_proj.weight", m, d)}
+
+
 def moe_from_hf(r: Reader, p: str, cfg: ModelConfig, arch: str = MIXTRAL) -> dict:
     d, X, m = cfg.d_model, cfg.n_experts, cfg.moe_d_ff
     moe = p + ("block_sparse_moe." if r.has(p + "block_sparse_moe.gate.weight") else "mlp.")
@@ -220,6 +242,8 @@ def mamba_from_hf(r: Reader, p: str, cfg: ModelConfig) -> dict:
 def layer_from_hf(r: Reader, p: str, cfg: ModelConfig, arch: str) -> dict:
     if arch == MAMBA:
         return mamba_from_hf(r, p, cfg)
+    if arch in GEMMA_ARCHS:
+        return {**attn_from_hf(r, p, cfg), **gemma_ffn_from_hf(r, p, cfg)}
     ffn = moe_from_hf(r, p, cfg, arch) if arch in MOE_ARCHS else swiglu_from_hf(r, p, cfg)
     return {**attn_from_hf(r, p, cfg), **ffn}
 

@@ -105,11 +105,18 @@ REFERENCE = Kernels(platform="any")  # the exact paths on every backend: xla att
 CPU_FLASH_FROM = 512
 
 
-def attention_path(kernels: Kernels, length: int, window: int | None = None) -> str:
-    """The attention implementation a resolved ``kernels`` uses for a window of ``length`` positions (and a
-    sliding ``window``: the Triton ``mha`` of "pallas_gpu" has none, so such a layer runs "flash")."""
-    if kernels.attention_impl == "pallas_gpu" and window is not None:
+def attention_path(kernels: Kernels, length: int, window: int | None = None, *, cap: float | None = None,
+                   growing_window: bool = False) -> str:
+    """The attention implementation a resolved ``kernels`` uses for a window of ``length`` positions. A feature a
+    kernel cannot honour routes the layer to "flash", which honours all of them (never to a kernel that would
+    ignore it): a sliding ``window`` or a soft ``cap`` of the scores — the Triton ``mha`` of "pallas_gpu" has
+    neither; a ``growing_window`` (a traced window size, the window warmup of training) — splash builds its mask
+    from static sizes. Splash honours a static window and the cap (its ``attn_logits_soft_cap``)."""
+    impl = kernels.attention_impl
+    if impl == "pallas_gpu" and (window is not None or cap is not None):
         return "flash"
-    if kernels.attention_impl != "auto":
-        return kernels.attention_impl
+    if impl == "splash" and growing_window:
+        return "flash"
+    if impl != "auto":
+        return impl
     return "flash" if length >= CPU_FLASH_FROM else "xla"

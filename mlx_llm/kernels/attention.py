@@ -35,23 +35,29 @@ GPU_BLOCK = 64  # the Triton kernel's block
 
 
 def attention(q_BTHK, k_BTGK, v_BTGK, segment_ids_BT=None, *, causal: bool = True, kernels: Kernels,
-              mask_BTS=None, window: int | None = None):
+              mask_BTS=None, window: int | None = None, cap: float | None = None, window_now=None):
     """O (B, T, H, K) of M20 §6 by ``kernels.attention_impl`` (resolved: no "auto"). ``mask_BTS`` is the
     reference path's boolean mask when the caller already built it (shared by every layer of one forward).
     ``window`` W (causal only): each query reads itself and the W − 1 positions before it (sliding-window
-    attention); flash and splash skip the blocks outside the band, so the cost is O(T·W). The Triton ``mha`` has
-    no window: a windowed layer under "pallas_gpu" runs "flash" (the path recorded for it is flash's)."""
-    impl = attention_path(kernels, q_BTHK.shape[1], window)
+    attention); flash and splash skip the blocks outside the band, so the cost is O(T·W). ``window_now`` (a traced
+    int ≤ W, training's window warmup) narrows the band to that many positions; the loops still visit W's
+    blocks. ``cap`` c: scores soft-capped to c·tanh(s/c) before the mask and softmax (Gemma 2). A feature a path
+    cannot honour sends the layer to "flash" (``attention_path``): the Triton ``mha`` of "pallas_gpu" has neither
+    window nor cap, splash has no traced window; the path recorded for such a layer is flash's."""
+    impl = attention_path(kernels, q_BTHK.shape[1], window, cap=cap, growing_window=window_now is not None)
     if impl == "xla":
         if mask_BTS is None:
             b, t = q_BTHK.shape[:2]
             mask_BTS = (causal_mask if causal else document_mask)(segment_ids_BT, b, t)
-        mask_BTS = window_band(mask_BTS, window)
-        return (causal_attention if causal else masked_attention)(q_BTHK, k_BTGK, v_BTGK, mask_BTS)
+        mask_BTS = window_band(mask_BTS, window if window_now is None else window_now)
+        if causal:
+            return causal_attention(q_BTHK, k_BTGK, v_BTGK, mask_BTS, cap=cap)
+        return masked_attention(q_BTHK, k_BTGK, v_BTGK, mask_BTS, cap)
     if impl == "flash":
-        return flash_attention(q_BTHK, k_BTGK, v_BTGK, segment_ids_BT, causal=causal, window=window)
+        return flash_attention(q_BTHK, k_BTGK, v_BTGK, segment_ids_BT, causal=causal, window=window, cap=cap,
+                               window_now=window_now)
     if impl == "splash":
-        call = functools.partial(_splash, window=window)
+        call = functools.partial(_splash, window=window, cap=cap)
         return _sharded(call, q_BTHK, k_BTGK, v_BTGK, segment_ids_BT, causal, kernels.interpret)
     if impl == "pallas_gpu":
         return _pallas_gpu(q_BTHK, k_BTGK, v_BTGK, segment_ids_BT, causal, kernels.interpret)
@@ -97,7 +103,8 @@ def _block_for(t: int, block: int) -> int:
 
 
 @functools.lru_cache(maxsize=32)
-def _splash_kernel(t: int, r: int, causal: bool, block: int, interpret: bool, window: int | None = None):
+def _splash_kernel(t: int, r: int, causal: bool, block: int, interpret: bool, window: int | None = None,
+                   cap: float | None = None):
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
     one = sa.CausalMask((t, t)) if causal else sa.FullMask((t, t))
@@ -109,12 +116,14 @@ def _splash_kernel(t: int, r: int, causal: bool, block: int, interpret: bool, wi
     # comes from inside a trace, or a later trace would reuse that trace's values (an escaped tracer).
     with jax.ensure_compile_time_eval():
         return sa.make_splash_mqa_single_device(sa.MultiHeadMask([one] * r), block_sizes=sa.BlockSizes(**sizes),
-                                                interpret=interpret)
+                                                interpret=interpret, attn_logits_soft_cap=cap)
 
 
-def _splash(q_BTHK, k_BTGK, v_BTGK, segment_ids_BT, *, causal: bool, interpret: bool, window: int | None = None):
+def _splash(q_BTHK, k_BTGK, v_BTGK, segment_ids_BT, *, causal: bool, interpret: bool, window: int | None = None,
+            cap: float | None = None):
     """Splash attention (MQA form) per (row, key/value head): the R query heads of a group against its one key
-    and value head. Splash does not scale the scores, so Q̃ is divided by √d_h first (in float32)."""
+    and value head. Splash does not scale the scores, so Q̃ is divided by √d_h first (in float32); its
+    ``attn_logits_soft_cap`` then caps those scaled scores, c·tanh(s/c), as the other paths do."""
     from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
 
     b, t, h, kd = q_BTHK.shape
@@ -123,7 +132,7 @@ def _splash(q_BTHK, k_BTGK, v_BTGK, segment_ids_BT, *, causal: bool, interpret: 
     q_BTHK = (q_BTHK.astype(jnp.float32) / math.sqrt(kd)).astype(q_BTHK.dtype)
     q_BTHK, k_BTGK, v_BTGK, seg_BT = _padded(block, q_BTHK, k_BTGK, v_BTGK, segment_ids_BT)
     tp = q_BTHK.shape[1]
-    kernel = _splash_kernel(tp, h // g, causal, block, interpret, window)
+    kernel = _splash_kernel(tp, h // g, causal, block, interpret, window, cap)
     q_BGRTK = q_BTHK.reshape(b, tp, g, h // g, kd).transpose(0, 2, 3, 1, 4)
     k_BGTK, v_BGTK = k_BTGK.transpose(0, 2, 1, 3), v_BTGK.transpose(0, 2, 1, 3)
     per_head = jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=SegmentIds(q=s, kv=s)),

@@ -43,6 +43,7 @@ class _Plan:
     ck: int
     causal: bool
     window: int | None = None  # sliding window W (causal only): query q reads keys q − W + 1 … q
+    cap: float | None = None  # soft cap c of the scores: c·tanh(s/c)
 
     @property
     def nq(self) -> int:
@@ -77,34 +78,44 @@ class _Plan:
         return jnp.minimum(self.nq, ((j + 1) * self.ck + self.window - 2) // self.cq + 1)
 
 
-def _plan(t: int, block_q: int, block_k: int, causal: bool, window: int | None = None) -> _Plan:
+def _plan(t: int, block_q: int, block_k: int, causal: bool, window: int | None = None,
+          cap: float | None = None) -> _Plan:
     """Blocks of at most ``block_q`` / ``block_k`` positions; a window shorter than a block uses one block of
     t rounded up to ``_ROW_ALIGN``. The window is padded to a multiple of both blocks."""
     short = -(-t // _ROW_ALIGN) * _ROW_ALIGN
     cq, ck = min(block_q, short), min(block_k, short)
     step = math.lcm(cq, ck)
-    return _Plan(t=t, tp=-(-t // step) * step, cq=cq, ck=ck, causal=causal, window=window)
+    return _Plan(t=t, tp=-(-t // step) * step, cq=cq, ck=ck, causal=causal, window=window, cap=cap)
 
 
-def _tile_mask(plan: _Plan, i, j, seg_q_BC, seg_k_BE) -> jax.Array:
+def _tile_mask(plan: _Plan, i, j, seg_q_BC, seg_k_BE, win) -> jax.Array:
     """M of tile (i, j) as booleans (True = may read). Padding keys are readable by padding queries only, so
-    every row, real or padding, reads at least one key (itself) and its softmax is defined."""
+    every row, real or padding, reads at least one key (itself) and its softmax is defined. ``win``: the window
+    in force (a traced int ≤ ``plan.window``: the window warmup), read only when the plan has a window."""
     q_pos_C = i * plan.cq + jnp.arange(plan.cq)
     k_pos_E = j * plan.ck + jnp.arange(plan.ck)
     allowed_CE = (q_pos_C[:, None] < plan.t) == (k_pos_E[None, :] < plan.t)
     if plan.causal:
         allowed_CE &= k_pos_E[None, :] <= q_pos_C[:, None]
     if plan.window is not None:  # padding rows keep reading themselves (the window holds the diagonal)
-        allowed_CE &= q_pos_C[:, None] - k_pos_E[None, :] < plan.window
+        allowed_CE &= q_pos_C[:, None] - k_pos_E[None, :] < win
     return allowed_CE & (seg_q_BC[:, :, None] == seg_k_BE[:, None, :])
 
 
-def _tile_scores(plan: _Plan, q_BGMK, k_BGEK, mask_BCE) -> jax.Array:
-    """S = Q Kᵀ/√d_h on one tile in the accumulation dtype; masked scores are −∞ so exp gives exactly 0."""
+def _tile_raw(q_BGMK, k_BGEK) -> jax.Array:
+    """Q Kᵀ/√d_h on one tile, in the accumulation dtype (before any cap or mask)."""
     acc = _accum_dtype(q_BGMK.dtype)
+    scale = 1.0 / jnp.sqrt(jnp.asarray(q_BGMK.shape[-1], acc))
+    return jnp.einsum("bgmk,bgek->bgme", q_BGMK, k_BGEK, preferred_element_type=acc) * scale
+
+
+def _tile_scores(plan: _Plan, q_BGMK, k_BGEK, mask_BCE) -> jax.Array:
+    """S = Q Kᵀ/√d_h on one tile in the accumulation dtype (soft-capped to c·tanh(S/c) under ``plan.cap``);
+    masked scores are −∞ so exp gives exactly 0."""
     b, g, m, kd = q_BGMK.shape
-    scale = 1.0 / jnp.sqrt(jnp.asarray(kd, acc))
-    s_BGME = jnp.einsum("bgmk,bgek->bgme", q_BGMK, k_BGEK, preferred_element_type=acc) * scale
+    s_BGME = _tile_raw(q_BGMK, k_BGEK)
+    if plan.cap is not None:
+        s_BGME = plan.cap * jnp.tanh(s_BGME / plan.cap)
     s_BGRCE = s_BGME.reshape(b, g, m // plan.cq, plan.cq, -1)
     s_BGRCE = jnp.where(mask_BCE[:, None, None], s_BGRCE, -jnp.inf)
     return s_BGRCE.reshape(b, g, m, -1)
@@ -114,7 +125,7 @@ def _at(x, i):
     return lax.dynamic_index_in_dim(x, i, axis=0, keepdims=False)
 
 
-def _query_block_forward(plan: _Plan, k_WBGEK, v_WBGEK, seg_k_WBE, i, q_BGMK, seg_q_BC):
+def _query_block_forward(plan: _Plan, k_WBGEK, v_WBGEK, seg_k_WBE, win, i, q_BGMK, seg_q_BC):
     """FA-2 Algorithm 1 for query block i: online softmax over key blocks with running max m, running sum l
     and unnormalised output; returns O (input dtype) and the log-sum-exp L = m + log l (accumulation dtype)."""
     acc = _accum_dtype(q_BGMK.dtype)
@@ -122,7 +133,8 @@ def _query_block_forward(plan: _Plan, k_WBGEK, v_WBGEK, seg_k_WBE, i, q_BGMK, se
     def step(j, carry):
         m_BGM, l_BGM, o_BGMK = carry
         v_BGEK = _at(v_WBGEK, j)
-        s_BGME = _tile_scores(plan, q_BGMK, _at(k_WBGEK, j), _tile_mask(plan, i, j, seg_q_BC, _at(seg_k_WBE, j)))
+        s_BGME = _tile_scores(plan, q_BGMK, _at(k_WBGEK, j),
+                              _tile_mask(plan, i, j, seg_q_BC, _at(seg_k_WBE, j), win))
         m_new_BGM = jnp.maximum(m_BGM, s_BGME.max(axis=-1))
         p_BGME = jnp.exp(s_BGME - m_new_BGM[..., None])
         alpha_BGM = jnp.exp(m_BGM - m_new_BGM)  # rescales what was summed under the old maximum
@@ -136,15 +148,16 @@ def _query_block_forward(plan: _Plan, k_WBGEK, v_WBGEK, seg_k_WBE, i, q_BGMK, se
     return (o_BGMK / l_BGM[..., None]).astype(q_BGMK.dtype), m_BGM + jnp.log(l_BGM)
 
 
-def _forward(plan: _Plan, q_UBGMK, k_WBGEK, v_WBGEK, seg_q_UBC, seg_k_WBE):
-    block = functools.partial(_query_block_forward, plan, k_WBGEK, v_WBGEK, seg_k_WBE)
+def _forward(plan: _Plan, q_UBGMK, k_WBGEK, v_WBGEK, seg_q_UBC, seg_k_WBE, win):
+    block = functools.partial(_query_block_forward, plan, k_WBGEK, v_WBGEK, seg_k_WBE, win)
     return lax.map(lambda xs: block(*xs), (jnp.arange(plan.nq), q_UBGMK, seg_q_UBC))
 
 
 def _key_block_backward(plan: _Plan, fixed, dq_UBGMK, xs):
     """FA-2 Algorithm 2 for key block j: recompute P = exp(S − L) of each query block that reads it,
-    dV += Pᵀ dO, dP = dO Vᵀ, dS = P ⊙ (dP − D), dK += dSᵀ Q/√d_h, and add dS K/√d_h into dQ."""
-    q_UBGMK, do_UBGMK, lse_UBGM, d_UBGM, seg_q_UBC = fixed
+    dV += Pᵀ dO, dP = dO Vᵀ, dS = P ⊙ (dP − D), dK += dSᵀ Q/√d_h, and add dS K/√d_h into dQ. Under a soft cap
+    S = c·tanh(S₀/c), so dS₀ = dS ⊙ (1 − tanh²(S₀/c))."""
+    q_UBGMK, do_UBGMK, lse_UBGM, d_UBGM, seg_q_UBC, win = fixed
     j, k_BGEK, v_BGEK, seg_k_BE = xs
     acc = _accum_dtype(q_UBGMK.dtype)
     scale = 1.0 / jnp.sqrt(jnp.asarray(q_UBGMK.shape[-1], acc))
@@ -152,11 +165,14 @@ def _key_block_backward(plan: _Plan, fixed, dq_UBGMK, xs):
     def step(i, carry):
         dk_BGEK, dv_BGEK, dq_UBGMK = carry
         q_BGMK, do_BGMK = _at(q_UBGMK, i), _at(do_UBGMK, i)
-        s_BGME = _tile_scores(plan, q_BGMK, k_BGEK, _tile_mask(plan, i, j, _at(seg_q_UBC, i), seg_k_BE))
+        s_BGME = _tile_scores(plan, q_BGMK, k_BGEK, _tile_mask(plan, i, j, _at(seg_q_UBC, i), seg_k_BE, win))
         p_BGME = jnp.exp(s_BGME - _at(lse_UBGM, i)[..., None])
         dv_BGEK += jnp.einsum("bgme,bgmk->bgek", p_BGME.astype(do_BGMK.dtype), do_BGMK, preferred_element_type=acc)
         dp_BGME = jnp.einsum("bgmk,bgek->bgme", do_BGMK, v_BGEK, preferred_element_type=acc)
-        ds_BGME = (p_BGME * (dp_BGME - _at(d_UBGM, i)[..., None]) * scale).astype(q_BGMK.dtype)
+        ds_BGME = p_BGME * (dp_BGME - _at(d_UBGM, i)[..., None]) * scale
+        if plan.cap is not None:  # masked entries have P = 0, and the factor is finite everywhere
+            ds_BGME = ds_BGME * (1 - jnp.square(jnp.tanh(_tile_raw(q_BGMK, k_BGEK) / plan.cap)))
+        ds_BGME = ds_BGME.astype(q_BGMK.dtype)
         dk_BGEK += jnp.einsum("bgme,bgmk->bgek", ds_BGME, q_BGMK, preferred_element_type=acc)
         dq_BGMK = _at(dq_UBGMK, i) + jnp.einsum("bgme,bgek->bgmk", ds_BGME, k_BGEK, preferred_element_type=acc)
         return dk_BGEK, dv_BGEK, lax.dynamic_update_index_in_dim(dq_UBGMK, dq_BGMK, i, axis=0)
@@ -168,24 +184,24 @@ def _key_block_backward(plan: _Plan, fixed, dq_UBGMK, xs):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(plan: _Plan, q_UBGMK, k_WBGEK, v_WBGEK, seg_q_UBC, seg_k_WBE):
-    return _forward(plan, q_UBGMK, k_WBGEK, v_WBGEK, seg_q_UBC, seg_k_WBE)[0]
+def _flash(plan: _Plan, q_UBGMK, k_WBGEK, v_WBGEK, seg_q_UBC, seg_k_WBE, win):
+    return _forward(plan, q_UBGMK, k_WBGEK, v_WBGEK, seg_q_UBC, seg_k_WBE, win)[0]
 
 
-def _flash_fwd(plan: _Plan, q_UBGMK, k_WBGEK, v_WBGEK, seg_q_UBC, seg_k_WBE):
-    o_UBGMK, lse_UBGM = _forward(plan, q_UBGMK, k_WBGEK, v_WBGEK, seg_q_UBC, seg_k_WBE)
-    return o_UBGMK, (q_UBGMK, k_WBGEK, v_WBGEK, seg_q_UBC, seg_k_WBE, o_UBGMK, lse_UBGM)
+def _flash_fwd(plan: _Plan, q_UBGMK, k_WBGEK, v_WBGEK, seg_q_UBC, seg_k_WBE, win):
+    o_UBGMK, lse_UBGM = _forward(plan, q_UBGMK, k_WBGEK, v_WBGEK, seg_q_UBC, seg_k_WBE, win)
+    return o_UBGMK, (q_UBGMK, k_WBGEK, v_WBGEK, seg_q_UBC, seg_k_WBE, win, o_UBGMK, lse_UBGM)
 
 
 def _flash_bwd(plan: _Plan, residuals, do_UBGMK):
-    q_UBGMK, k_WBGEK, v_WBGEK, seg_q_UBC, seg_k_WBE, o_UBGMK, lse_UBGM = residuals
+    q_UBGMK, k_WBGEK, v_WBGEK, seg_q_UBC, seg_k_WBE, win, o_UBGMK, lse_UBGM = residuals
     acc = _accum_dtype(q_UBGMK.dtype)
     d_UBGM = jnp.sum(do_UBGMK.astype(acc) * o_UBGMK.astype(acc), axis=-1)  # D = rowsum(dO ⊙ O)
-    fixed = (q_UBGMK, do_UBGMK.astype(q_UBGMK.dtype), lse_UBGM, d_UBGM, seg_q_UBC)
+    fixed = (q_UBGMK, do_UBGMK.astype(q_UBGMK.dtype), lse_UBGM, d_UBGM, seg_q_UBC, win)
     dq_UBGMK, (dk_WBGEK, dv_WBGEK) = lax.scan(
         functools.partial(_key_block_backward, plan, fixed), jnp.zeros(q_UBGMK.shape, acc),
         (jnp.arange(plan.nk), k_WBGEK, v_WBGEK, seg_k_WBE))
-    return dq_UBGMK.astype(q_UBGMK.dtype), dk_WBGEK, dv_WBGEK, None, None
+    return dq_UBGMK.astype(q_UBGMK.dtype), dk_WBGEK, dv_WBGEK, None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -224,7 +240,8 @@ def _check(q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, block_q, block_k) -> None:
 
 
 def flash_attention(q_BTHK, k_BSGK, v_BSGK, segment_ids_BT=None, *, causal: bool = True, block_q: int = 128,
-                    block_k: int = 128, window: int | None = None) -> jax.Array:
+                    block_k: int = 128, window: int | None = None, cap: float | None = None,
+                    window_now=None) -> jax.Array:
     """O (B, T, H, K) of M20 §6 self-attention (S = T) equal to ``ops.attention`` under ``ops.causal_mask``
     (``causal``) or ``ops.document_mask`` (not ``causal``) of ``segment_ids_BT`` (None: one document per row),
     in values and gradients, computed FlashAttention-2 style in O(T·block) memory.
@@ -233,19 +250,23 @@ def flash_attention(q_BTHK, k_BSGK, v_BSGK, segment_ids_BT=None, *, causal: bool
     bf16 inputs take bf16 operands with float32 accumulation; the output has q's dtype. T need not be a
     multiple of the blocks: the window is padded internally and the padding is never read by real positions.
     ``window`` W (causal): query q reads keys q − W + 1 … q only, and the loops visit only the tiles that band
-    touches (about T·(W + block) score entries instead of T²/2).
+    touches (about T·(W + block) score entries instead of T²/2). ``window_now`` (a traced int in [1, W]: the
+    window warmup of training) narrows the band inside the tiles of W's. ``cap`` c: scores c·tanh(S/c).
     """
     _check(q_BTHK, k_BSGK, v_BSGK, segment_ids_BT, block_q, block_k)
     if window is not None and (not causal or window < 1):
         raise InputError(f"flash_attention: window = {window!r} needs causal attention and W >= 1")
     b, t, h, kd = q_BTHK.shape
     g = k_BSGK.shape[2]
-    plan = _plan(t, block_q, block_k, causal, window)
+    if window_now is not None and window is None:
+        raise InputError("flash_attention: window_now narrows a sliding window: give window W as well")
+    plan = _plan(t, block_q, block_k, causal, window, cap)
+    win = jnp.asarray((window or 0) if window_now is None else window_now, jnp.int32)
     seg_BT = jnp.zeros((b, t), jnp.int32) if segment_ids_BT is None else segment_ids_BT.astype(jnp.int32)
     pad = plan.tp - t
     widen = lambda a: jnp.pad(a, ((0, 0), (0, pad)) + ((0, 0),) * (a.ndim - 2))  # noqa: E731
     q_BTHK, k_BSGK, v_BSGK, seg_BT = widen(q_BTHK), widen(k_BSGK), widen(v_BSGK), widen(seg_BT)
     o_UBGMK = _flash(plan, _query_blocks(q_BTHK, g, plan.cq), _key_blocks(k_BSGK, plan.ck),
                      _key_blocks(v_BSGK, plan.ck), seg_BT.reshape(b, plan.nq, plan.cq).transpose(1, 0, 2),
-                     seg_BT.reshape(b, plan.nk, plan.ck).transpose(1, 0, 2))
+                     seg_BT.reshape(b, plan.nk, plan.ck).transpose(1, 0, 2), win)
     return _from_query_blocks(o_UBGMK, plan.cq)[:, :t]

@@ -15,9 +15,14 @@ dtypes as ``ops.dense`` and its JAX transpose (inputs in their own dtype, float3
 run does the same arithmetic through either path.
 
 No vocabulary tile: each chunk still spans all V columns (``choose_chunk`` sizes the rows so that is small).
+
+With a soft cap c (Gemma 2's final-logit soft-capping) the logits are Λ = c·tanh(R U/c), and the backward
+multiplies the logits' gradient by ∂Λ/∂(RU) = 1 − (Λ/c)² before the two products.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -32,52 +37,56 @@ def _acc_dtype(r_dtype) -> jnp.dtype:
     return jnp.promote_types(r_dtype, jnp.float32)
 
 
-def _chunk_logits(r_cD, u_DV):
-    """Λ_c = R_c U for one chunk of rows, accumulated in ≥ float32 like ``model.logits_from_hidden``."""
-    return jnp.matmul(r_cD, u_DV, preferred_element_type=_acc_dtype(r_cD.dtype))
+def _chunk_logits(r_cD, u_DV, cap=None):
+    """Λ_c = R_c U for one chunk of rows, accumulated in ≥ float32 like ``model.logits_from_hidden`` (c·tanh(·/c)
+    of it under a soft cap c)."""
+    logits_cV = jnp.matmul(r_cD, u_DV, preferred_element_type=_acc_dtype(r_cD.dtype))
+    return logits_cV if cap is None else cap * jnp.tanh(logits_cV / cap)
 
 
-def _chunk_nll_lse(r_cD, u_DV, y_c):
+def _chunk_nll_lse(r_cD, u_DV, y_c, cap=None):
     """(nll_c, ℓ_c) of one chunk: ℓ = m + log Σ exp(Λ − m) with the row maximum m shifted out (M20 §9)."""
-    logits_cV = _chunk_logits(r_cD, u_DV)
+    logits_cV = _chunk_logits(r_cD, u_DV, cap)
     m_c = jnp.max(logits_cV, axis=-1)
     lse_c = m_c + jnp.log(jnp.sum(jnp.exp(logits_cV - m_c[:, None]), axis=-1))
     picked_c = jnp.take_along_axis(logits_cV, y_c[:, None], axis=-1)[:, 0]
     return lse_c - picked_c, lse_c
 
 
-def _forward(r_CcD, u_DV, y_Cc):
+def _forward(r_CcD, u_DV, y_Cc, cap=None):
     """Per-chunk loop of the forward; returns (nll_Cc, lse_Cc)."""
-    return jax.lax.map(lambda xs: _chunk_nll_lse(xs[0], u_DV, xs[1]), (r_CcD, y_Cc))
+    return jax.lax.map(lambda xs: _chunk_nll_lse(xs[0], u_DV, xs[1], cap), (r_CcD, y_Cc))
 
 
-@jax.custom_vjp
-def _blocked_nll(r_CcD, u_DV, y_Cc):
-    return _forward(r_CcD, u_DV, y_Cc)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _blocked_nll(r_CcD, u_DV, y_Cc, cap=None):
+    return _forward(r_CcD, u_DV, y_Cc, cap)
 
 
-def _blocked_fwd(r_CcD, u_DV, y_Cc):
-    nll_Cc, lse_Cc = _forward(r_CcD, u_DV, y_Cc)
+def _blocked_fwd(r_CcD, u_DV, y_Cc, cap=None):
+    nll_Cc, lse_Cc = _forward(r_CcD, u_DV, y_Cc, cap)
     return (nll_Cc, lse_Cc), (r_CcD, u_DV, y_Cc, lse_Cc)  # the residuals: no logits
 
 
-def _chunk_dlogits(r_cD, u_DV, y_c, lse_c, g_c, g_lse_c):
+def _chunk_dlogits(r_cD, u_DV, y_c, lse_c, g_c, g_lse_c, cap=None):
     """g ⊙ (softmax(Λ_c) − onehot(x)) + g_ℓ ⊙ softmax(Λ_c) for one chunk (∂ℓ/∂Λ = softmax: the z-loss's path),
-    from the recomputed logits and the saved ℓ (M20 §11)."""
-    logits_cV = _chunk_logits(r_cD, u_DV)
+    from the recomputed logits and the saved ℓ (M20 §11); under a soft cap, × (1 − (Λ/c)²), the gradient with
+    respect to the uncapped R U."""
+    logits_cV = _chunk_logits(r_cD, u_DV, cap)
     p_cV = jnp.exp(logits_cV - lse_c[:, None])
     onehot_cV = y_c[:, None] == jnp.arange(u_DV.shape[1], dtype=y_c.dtype)[None, :]
-    return p_cV * (g_c + g_lse_c)[:, None] - onehot_cV.astype(p_cV.dtype) * g_c[:, None]
+    g_cV = p_cV * (g_c + g_lse_c)[:, None] - onehot_cV.astype(p_cV.dtype) * g_c[:, None]
+    return g_cV if cap is None else g_cV * (1 - jnp.square(logits_cV / cap))
 
 
-def _blocked_bwd(res, cotangents):
+def _blocked_bwd(cap, res, cotangents):
     r_CcD, u_DV, y_Cc, lse_Cc = res
     g_Cc, g_lse_Cc = cotangents
     acc = _acc_dtype(r_CcD.dtype)
 
     def step(du_DV, xs):
         r_cD, y_c, lse_c, g_c, g_lse_c = xs
-        dlogits_cV = _chunk_dlogits(r_cD, u_DV, y_c, lse_c, g_c.astype(acc), g_lse_c.astype(acc))
+        dlogits_cV = _chunk_dlogits(r_cD, u_DV, y_c, lse_c, g_c.astype(acc), g_lse_c.astype(acc), cap)
         # mixed-dtype products, as JAX transposes dense(…, preferred_element_type=acc): no upcast copy of U
         dr_cD = jax.lax.dot_general(dlogits_cV, u_DV, _COLS, preferred_element_type=acc).astype(r_cD.dtype)
         du_DV = du_DV + jax.lax.dot_general(r_cD, dlogits_cV, _ROWS, preferred_element_type=acc)
@@ -113,10 +122,10 @@ def chunked_token_nll(r_BTD: jax.Array, u_DV: jax.Array, targets_BT: jax.Array, 
 
 
 def chunked_token_nll_lse(r_BTD: jax.Array, u_DV: jax.Array, targets_BT: jax.Array, *,
-                          chunk: int) -> tuple[jax.Array, jax.Array]:
+                          chunk: int, cap: float | None = None) -> tuple[jax.Array, jax.Array]:
     """(nll, ℓ) of ``chunked_token_nll``, with ℓ_t = logsumexp(Λ_t) differentiable too (PaLM's z-loss
     penalises ℓ²): both from the same chunks, the backward adding ∂/∂ℓ · softmax(Λ_t) to each chunk's logits
-    gradient."""
+    gradient. ``cap`` c: the logits are c·tanh(R U/c) (``ModelConfig.logit_softcap``)."""
     _check(r_BTD, u_DV, targets_BT, chunk)
     lead, d = r_BTD.shape[:-1], r_BTD.shape[-1]
     r_ND = r_BTD.reshape(-1, d)
@@ -130,7 +139,7 @@ def chunked_token_nll_lse(r_BTD: jax.Array, u_DV: jax.Array, targets_BT: jax.Arr
     # chunks would make the loop walk across devices and XLA gather R onto every device.
     r_CcD = jnp.pad(r_ND, ((0, pad), (0, 0))).reshape(chunk, n_chunks, d).transpose(1, 0, 2)
     y_Cc = jnp.pad(y_N, (0, pad)).reshape(chunk, n_chunks).T
-    nll_Cc, lse_Cc = _blocked_nll(r_CcD, u_DV, y_Cc)
+    nll_Cc, lse_Cc = _blocked_nll(r_CcD, u_DV, y_Cc, cap)
     return tuple(a.T.reshape(-1)[:n].reshape(lead) for a in (nll_Cc, lse_Cc))
 
 

@@ -5,6 +5,12 @@ Keys (DESIGN §1): ``attn_norm (d)``, ``wq (d, Hq, Dh)``, ``wk, wv (d, Hkv, Dh)`
 ``q_norm, k_norm (Dh)`` applied to Q and K before RoPE (Qwen3). The branch is Z = H + A(N_γa(H)); the residual
 carries H, not N(H) (M20 §7). Mixer kind "local" is the same layer reading a sliding window of
 ``cfg.sliding_window`` positions; in decoding its cache is a ring buffer of that many slots (``ring_branch``).
+
+The knobs (``ModelConfig``): ``sandwich_norm`` adds ``post_attn_norm (d)``, Z = H + N_post(A(N_γa(H)));
+``value_embeds`` adds ``value_embed (V, Hkv, Dh)`` and ``value_gate ()``, V = X W^V + λ·E^v[x];
+``attn_softcap`` caps every score, in every path (kernels/attention.py); ``rope_local_base`` rotates the
+'local' layers at their own base; ``score_dim`` s scales the scores by 1/√s (Q̃ is multiplied by √(d_h/s) after
+RoPE, so every path's 1/√d_h gives it); in training ``ctx.window`` is the warmed-up window of 'local' layers.
 """
 
 from __future__ import annotations
@@ -12,10 +18,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+import math
+
 from mlx_llm.kernels import attention as kernels
 from mlx_llm.layers import initializers, layout
+from mlx_llm.layers.norm import norm, post_norm
 from mlx_llm.layers.rope_scaling import rope_for
-from mlx_llm.ops import attention, dense, rms_norm
+from mlx_llm.ops import attention, dense
 
 
 def init(cfg, normal, L: int, dtype) -> dict:
@@ -24,19 +33,26 @@ def init(cfg, normal, L: int, dtype) -> dict:
     return initializers.init_table(layout.ATTN, cfg, normal, L, dtype)
 
 
-def attention_qkv(x_BTD, layer, cfg, positions_BT):
-    """M20 §5: Q_j = X W^Q_j, K_g = X W^K_g, V_g = X W^V_g (+ biases with ``qkv_bias``); with ``qk_norm`` Q and K
-    are RMS-normalised per head over d_h; then RoPE (scaled as ``cfg.rope_scaling`` says) on Q and K only."""
+def attention_qkv(x_BTD, layer, cfg, positions_BT, tokens_BT=None, *, local: bool = False):
+    """M20 §5: Q_j = X W^Q_j, K_g = X W^K_g, V_g = X W^V_g (+ biases with ``qkv_bias``; + λ·E^v[x] with
+    ``value_embeds``, which needs ``tokens_BT``); with ``qk_norm`` Q and K are RMS-normalised per head over d_h;
+    then RoPE (scaled as ``cfg.rope_scaling`` says, or plain at ``rope_local_base`` for a ``local`` layer) on Q and
+    K only; with ``score_dim`` s, Q̃ × √(d_h/s)."""
     q_BTHK = dense(x_BTD, layer["wq"])
     k_BTGK = dense(x_BTD, layer["wk"])
     v_BTGK = dense(x_BTD, layer["wv"])
     if cfg.qkv_bias:
         q_BTHK, k_BTGK, v_BTGK = (a + layer[b].astype(a.dtype) for a, b in
                                   ((q_BTHK, "bq"), (k_BTGK, "bk"), (v_BTGK, "bv")))
+    if cfg.value_embeds:
+        ve_BTGK = jnp.take(layer["value_embed"], tokens_BT, axis=0, mode="fill", fill_value=jnp.nan)
+        v_BTGK = v_BTGK + (layer["value_gate"] * ve_BTGK).astype(v_BTGK.dtype)
     if cfg.qk_norm:
-        q_BTHK = rms_norm(q_BTHK, layer["q_norm"], cfg.norm_eps)
-        k_BTGK = rms_norm(k_BTGK, layer["k_norm"], cfg.norm_eps)
-    q_BTHK, k_BTGK = rope_for(positions_BT, cfg, q_BTHK, k_BTGK)
+        q_BTHK = norm(q_BTHK, layer["q_norm"], cfg)
+        k_BTGK = norm(k_BTGK, layer["k_norm"], cfg)
+    q_BTHK, k_BTGK = rope_for(positions_BT, cfg, q_BTHK, k_BTGK, local=local)
+    if cfg.score_dim is not None and cfg.score_dim != cfg.d_head:
+        q_BTHK = q_BTHK * jnp.asarray(math.sqrt(cfg.d_head / cfg.score_dim), q_BTHK.dtype)
     return q_BTHK, k_BTGK, v_BTGK
 
 
@@ -46,15 +62,27 @@ def attention_output(o_BTHK, layer) -> jax.Array:
     return dense(o_BTHK.reshape(b, t, h * k), layer["wo"].reshape(h * k, -1))
 
 
+def _qkv(h_BTD, layer, cfg, ctx, local: bool):
+    """N_γa(H), then Q̃, K̃, V of the new positions (``attention_qkv``)."""
+    return attention_qkv(norm(h_BTD, layer["attn_norm"], cfg), layer, cfg, ctx.positions_BT, ctx.tokens_BT,
+                         local=local)
+
+
+def _residual(h_BTD, o_BTHK, layer, cfg):
+    """Z = H + N_post(A) (the sandwich norm only with ``cfg.sandwich_norm``)."""
+    return h_BTD + post_norm(attention_output(o_BTHK, layer), layer, "post_attn_norm", cfg)
+
+
 def branch(h_BTD, layer, cfg, ctx, window: int | None = None) -> jax.Array:
     """M20 §7 first line: Z = H + A(N_γa(H)), over the whole sequence (causal, per document; bidirectional, per
-    document, when ``cfg.causal`` is false; within the last ``window`` positions when set), by the attention path
-    ``ctx.kernels`` names (kernels/attention.py)."""
-    x_BTD = rms_norm(h_BTD, layer["attn_norm"], cfg.norm_eps)
-    q, k, v = attention_qkv(x_BTD, layer, cfg, ctx.positions_BT)
-    o_BTHK = kernels.attention(q, k, v, ctx.segment_ids_BT, causal=cfg.causal,
-                               kernels=ctx.kernels, mask_BTS=ctx.mask_BTS, window=window)
-    return h_BTD + attention_output(o_BTHK, layer)
+    document, when ``cfg.causal`` is false; within the last ``window`` positions when set — in training under a
+    window warmup, the last ``ctx.window`` of them), by the attention path ``ctx.kernels`` names
+    (kernels/attention.py), scores soft-capped at ``cfg.attn_softcap``."""
+    q, k, v = _qkv(h_BTD, layer, cfg, ctx, window is not None)
+    o_BTHK = kernels.attention(q, k, v, ctx.segment_ids_BT, causal=cfg.causal, kernels=ctx.kernels,
+                               mask_BTS=ctx.mask_BTS, window=window, cap=cfg.attn_softcap,
+                               window_now=ctx.window if window is not None else None)
+    return _residual(h_BTD, o_BTHK, layer, cfg)
 
 
 def cached_branch(h_BTD, layer, cfg, ctx, k_LBSGK, v_LBSGK, l):
@@ -62,18 +90,19 @@ def cached_branch(h_BTD, layer, cfg, ctx, k_LBSGK, v_LBSGK, l):
     of the carried cache, and each new query reads the slots ``ctx.mask_BTS`` allows. Returns (Z, k, v).
     ``ctx.mask_BTS`` None marks a prefill into an empty cache: the new tokens read each other only, causally,
     through the attention path ``ctx.kernels`` names."""
-    x_BTD = rms_norm(h_BTD, layer["attn_norm"], cfg.norm_eps)
-    q_BTHK, k_BTGK, v_BTGK = attention_qkv(x_BTD, layer, cfg, ctx.positions_BT)
+    q_BTHK, k_BTGK, v_BTGK = _qkv(h_BTD, layer, cfg, ctx, False)
     b_B1 = jnp.arange(h_BTD.shape[0])[:, None]
     # Scatter into the whole carried buffer (layer l, row b, slot): XLA updates a loop carry in place.
     # Padding goes to slot S (out of range) and is dropped, so it can never overwrite a valid slot.
     k_LBSGK = k_LBSGK.at[l, b_B1, ctx.slots_BT].set(k_BTGK.astype(k_LBSGK.dtype), mode="drop")
     v_LBSGK = v_LBSGK.at[l, b_B1, ctx.slots_BT].set(v_BTGK.astype(v_LBSGK.dtype), mode="drop")
     if ctx.mask_BTS is None:
-        o_BTHK = kernels.attention(q_BTHK, k_BTGK, v_BTGK, None, causal=True, kernels=ctx.kernels)
+        o_BTHK = kernels.attention(q_BTHK, k_BTGK, v_BTGK, None, causal=True, kernels=ctx.kernels,
+                                   cap=cfg.attn_softcap)
     else:
-        o_BTHK = attention(q_BTHK, k_LBSGK[l].astype(q_BTHK.dtype), v_LBSGK[l].astype(q_BTHK.dtype), ctx.mask_BTS)
-    return h_BTD + attention_output(o_BTHK, layer), k_LBSGK, v_LBSGK
+        o_BTHK = attention(q_BTHK, k_LBSGK[l].astype(q_BTHK.dtype), v_LBSGK[l].astype(q_BTHK.dtype), ctx.mask_BTS,
+                           cfg.attn_softcap)
+    return _residual(h_BTD, o_BTHK, layer, cfg), k_LBSGK, v_LBSGK
 
 
 def ring_branch(h_BTD, layer, cfg, ctx, k_LBWGK, v_LBWGK, l):
@@ -81,16 +110,15 @@ def ring_branch(h_BTD, layer, cfg, ctx, k_LBWGK, v_LBWGK, l):
     each new query reads the ring (older positions) and the new positions, as ``ctx.ring.mask_BTS`` allows
     (decode/state.py ``ring_context``); then the new positions that later windows still need are written into
     their slots. Cost and memory per token are O(W), whatever the prefix length. Returns (Z, k, v)."""
-    x_BTD = rms_norm(h_BTD, layer["attn_norm"], cfg.norm_eps)
-    q_BTHK, k_BTGK, v_BTGK = attention_qkv(x_BTD, layer, cfg, ctx.positions_BT)
+    q_BTHK, k_BTGK, v_BTGK = _qkv(h_BTD, layer, cfg, ctx, True)
     if ctx.mask_BTS is None:  # a prefill into an empty cache: the ring holds nothing yet
         o_BTHK = kernels.attention(q_BTHK, k_BTGK, v_BTGK, None, causal=True, kernels=ctx.kernels,
-                                   window=cfg.sliding_window)
+                                   window=cfg.sliding_window, cap=cfg.attn_softcap)
     else:
         keys = jnp.concatenate([k_LBWGK[l].astype(q_BTHK.dtype), k_BTGK], axis=1)
         values = jnp.concatenate([v_LBWGK[l].astype(q_BTHK.dtype), v_BTGK], axis=1)
-        o_BTHK = attention(q_BTHK, keys, values, ctx.ring.mask_BTS)
+        o_BTHK = attention(q_BTHK, keys, values, ctx.ring.mask_BTS, cfg.attn_softcap)
     b_B1 = jnp.arange(h_BTD.shape[0])[:, None]
     k_LBWGK = k_LBWGK.at[l, b_B1, ctx.ring.slots_BT].set(k_BTGK.astype(k_LBWGK.dtype), mode="drop")
     v_LBWGK = v_LBWGK.at[l, b_B1, ctx.ring.slots_BT].set(v_BTGK.astype(v_LBWGK.dtype), mode="drop")
-    return h_BTD + attention_output(o_BTHK, layer), k_LBWGK, v_LBWGK
+    return _residual(h_BTD, o_BTHK, layer, cfg), k_LBWGK, v_LBWGK

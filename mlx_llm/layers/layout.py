@@ -13,8 +13,8 @@ heads, G key/value heads, K head width, F FFN width, X routed experts, S shared 
 (``moe_d_ff``), I SSM inner width, N state size, W conv width, R Δ rank, k experts a token runs.
 
 Initialisers (the reasons are in ``model``'s docstring): projections N(0, 1/fan_in), the residual writers
-(W^O, W_down, the experts' down projections, Mamba's out_proj) also × 1/√(2·n_layers) (GPT-2); norm gains 1
-(M20 §4); Mamba as published (Gu & Dao 2023): A_log from S4D-real, D = 1, conv_b = 0, Δ log-uniform through
+(W^O, W_down, the experts' down projections, Mamba's out_proj) also × 1/√(2·n_layers) (GPT-2), or 0 under
+``zero_init_out``; norm gains 1 (M20 §4), or w = 0 under ``norm_unit_offset`` (γ = 1 + w); Mamba as published (Gu & Dao 2023): A_log from S4D-real, D = 1, conv_b = 0, Δ log-uniform through
 ``dt_bias``; MoE offsets 0 (M20 §15). Each array with a ``std`` takes exactly one N(0, std²) draw, in table
 order (the order of the keys), so a table fixes the key stream: reordering it changes every seed's parameters.
 """
@@ -34,6 +34,10 @@ DIMS = {"V": "vocab_size", "D": "d_model", "H": "n_heads", "G": "n_kv_heads", "K
 ROLES = ("table", "matmul", "elementwise", "norm", "state")
 THETA = ("table", "matmul", "elementwise", "norm")  # the roles of trainable parameters θ
 INITS = ("normal", "ones", "zeros")  # built in; any other name is a rule the layer's module supplies
+# Learning-rate groups (``ParamInfo.lr_group``; train/masks.py ``role_lr_scales``): the input tables, the output
+# head, the matrices, and the scalars (gains, biases, gates, Mamba's elementwise parameters).
+LR_GROUPS = ("embed", "head", "matrix", "scalar")
+_ROLE_GROUP = {"table": "embed", "matmul": "matrix", "elementwise": "scalar", "norm": "scalar", "state": None}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +52,11 @@ class ParamInfo:
     routed: axis 0 holds the X routed experts, of which one token runs k (active counts). present: whether the
     array exists for a config (None: always); an array with a zero-size dimension is absent too. decay: whether
     AdamW's weight decay applies, where the role alone does not decide it (None: ``decayed``'s rule).
+    zero_if: a config predicate under which the array starts at zero instead (its draw is still taken, so the
+    key stream of the others is unchanged). extra: its draw comes from the second key stream ``model.init_params``
+    keeps for arrays added by the knobs (value embeddings, MTP modules), not from the main split, so the main
+    stream — every seed's parameters without those knobs — is the same whether the layout declares them or not.
+    group: its learning-rate group where the role alone does not decide it (None: ``lr_group``'s rule).
     """
 
     dims: tuple[str, ...]
@@ -59,6 +68,9 @@ class ParamInfo:
     routed: bool = False
     present: Callable[[Any], bool] | None = None
     decay: bool | None = None
+    zero_if: Callable[[Any], bool] | None = None
+    extra: bool = False
+    group: str | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -67,13 +79,22 @@ class ParamInfo:
             raise ValueError(f"ParamInfo init {self.init!r} takes no random draw, but std is set")
         if self.init == "normal" and self.std is None:
             raise ValueError("ParamInfo init 'normal' needs a std")
+        if self.group is not None and self.group not in LR_GROUPS:
+            raise ValueError(f"ParamInfo group {self.group!r} is invalid: valid groups are {list(LR_GROUPS)}")
         for axis, low in ((self.tensor_axis, 0), (self.lora_in, 1)):  # LoRA keeps ≥ 1 input and ≥ 1 output axis
             if axis is not None and not low <= axis < len(self.dims):
                 raise ValueError(f"ParamInfo axis {axis} is outside the {len(self.dims)} axes of {self.dims}")
 
     @property
     def draws(self) -> bool:
-        return self.std is not None
+        """Whether the array takes a draw from the main key stream."""
+        return self.std is not None and not self.extra
+
+    @property
+    def lr_group(self) -> str | None:
+        """The learning-rate group (``LR_GROUPS``): ``group`` if declared, else by role — tables "embed",
+        matmul weights "matrix", gains and elementwise parameters "scalar"; routing state has none."""
+        return self.group if self.group is not None else _ROLE_GROUP[self.role]
 
     @property
     def decayed(self) -> bool:
@@ -112,13 +133,26 @@ def untied(cfg) -> bool:
     return not cfg.tie_embeddings
 
 
+def _flag(name: str) -> Callable[[Any], bool]:
+    """The predicate "ModelConfig field ``name`` is set" (absent fields count as unset)."""
+    return lambda cfg: bool(getattr(cfg, name, False))
+
+
+unit_offset, zero_out, sandwich, has_value_embeds, has_unet = (
+    _flag("norm_unit_offset"), _flag("zero_init_out"), _flag("sandwich_norm"), _flag("value_embeds"),
+    _flag("unet_skips"))
+
+
 # ----- the declarations ---------------------------------------------------------------------------------
-_NORM = ParamInfo(("D",), "ones", role="norm")
+_NORM = ParamInfo(("D",), "ones", role="norm", zero_if=unit_offset)  # γ = 1, or w = 0 for γ = 1 + w
+_POST_NORM = ParamInfo(("D",), "ones", role="norm", zero_if=unit_offset, present=sandwich)
 
 TOP = {
     "embed": ParamInfo(("V", "D"), std=embed_std, role="table", tensor_axis=0),
     "final_norm": _NORM,
-    "unembed": ParamInfo(("D", "V"), std=fan_in("D"), role="table", tensor_axis=1, present=untied),
+    "unembed": ParamInfo(("D", "V"), std=fan_in("D"), role="table", tensor_axis=1, present=untied, group="head"),
+    # the U-net's skip weights w_0 … w_{L/2−1} (modded-nanogpt: init 1)
+    "skip_weights": ParamInfo(("U",), "ones", role="elementwise", present=has_unet),
 }
 
 def has_qkv_bias(cfg) -> bool:
@@ -134,21 +168,38 @@ ATTN = {  # M20 §5–§6: Q = X W^Q, K = X W^K, V = X W^V per head; A = Concat(
     "wq": ParamInfo(("D", "H", "K"), std=fan_in("D"), tensor_axis=1, lora_in=1),
     "wk": ParamInfo(("D", "G", "K"), std=fan_in("D"), tensor_axis=1, lora_in=1),
     "wv": ParamInfo(("D", "G", "K"), std=fan_in("D"), tensor_axis=1, lora_in=1),
-    "wo": ParamInfo(("H", "K", "D"), std=fan_in("H", "K", residual=True), tensor_axis=0, lora_in=2),
+    "wo": ParamInfo(("H", "K", "D"), std=fan_in("H", "K", residual=True), tensor_axis=0, lora_in=2,
+                    zero_if=zero_out),
     # Qwen2's projection biases (zeros, no draw: the key stream of the other arrays is unchanged)
     "bq": ParamInfo(("H", "K"), "zeros", role="elementwise", tensor_axis=0, present=has_qkv_bias),
     "bk": ParamInfo(("G", "K"), "zeros", role="elementwise", tensor_axis=0, present=has_qkv_bias),
     "bv": ParamInfo(("G", "K"), "zeros", role="elementwise", tensor_axis=0, present=has_qkv_bias),
     # Qwen3's per-head RMSNorm gains on Q and K (over d_h, shared by the heads)
-    "q_norm": ParamInfo(("K",), "ones", role="norm", present=has_qk_norm),
-    "k_norm": ParamInfo(("K",), "ones", role="norm", present=has_qk_norm),
+    "q_norm": ParamInfo(("K",), "ones", role="norm", present=has_qk_norm, zero_if=unit_offset),
+    "k_norm": ParamInfo(("K",), "ones", role="norm", present=has_qk_norm, zero_if=unit_offset),
+    "post_attn_norm": _POST_NORM,  # sandwich norms (Gemma 2/3): N_post of the attention output
+    # value embeddings (modded-nanogpt): V = X W^V + λ·E^v[x], a table per layer and its gate λ (init 1/2)
+    "value_embed": ParamInfo(("V", "G", "K"), std=unit_std, role="table", tensor_axis=1, present=has_value_embeds,
+                             extra=True),
+    "value_gate": ParamInfo((), "half", role="elementwise", present=has_value_embeds),
 }
 
-SWIGLU = {  # M20 §7: F(y) = (SiLU(y W_gate) ⊙ y W_up) W_down
+_W_UP = ParamInfo(("D", "F"), std=fan_in("D"), tensor_axis=1, lora_in=1)
+_W_DOWN = ParamInfo(("F", "D"), std=fan_in("F", residual=True), tensor_axis=0, lora_in=1, zero_if=zero_out)
+
+SWIGLU = {  # M20 §7: F(y) = (SiLU(y W_gate) ⊙ y W_up) W_down; GeGLU the same with GELU_tanh
     "ffn_norm": _NORM,
     "w_gate": ParamInfo(("D", "F"), std=fan_in("D"), tensor_axis=1, lora_in=1),
-    "w_up": ParamInfo(("D", "F"), std=fan_in("D"), tensor_axis=1, lora_in=1),
-    "w_down": ParamInfo(("F", "D"), std=fan_in("F", residual=True), tensor_axis=0, lora_in=1),
+    "w_up": _W_UP,
+    "w_down": _W_DOWN,
+    "post_ffn_norm": _POST_NORM,
+}
+
+RELU2 = {  # squared ReLU (So et al. 2021; modded-nanogpt): F(y) = max(0, y W_up)² W_down
+    "ffn_norm": _NORM,
+    "w_up": _W_UP,
+    "w_down": _W_DOWN,
+    "post_ffn_norm": _POST_NORM,
 }
 
 MOE = {  # M20 §15, U19 §3: router, offsets, X routed and S shared SwiGLU experts (shared absent when S = 0)
@@ -157,10 +208,12 @@ MOE = {  # M20 §15, U19 §3: router, offsets, X routed and S shared SwiGLU expe
     "router_offset": ParamInfo(("X",), "zeros", role="state"),
     "expert_gate": ParamInfo(("X", "D", "M"), std=fan_in("D"), tensor_axis=2, routed=True),
     "expert_up": ParamInfo(("X", "D", "M"), std=fan_in("D"), tensor_axis=2, routed=True),
-    "expert_down": ParamInfo(("X", "M", "D"), std=fan_in("M", residual=True), tensor_axis=1, routed=True),
+    "expert_down": ParamInfo(("X", "M", "D"), std=fan_in("M", residual=True), tensor_axis=1, routed=True,
+                             zero_if=zero_out),
     "shared_gate": ParamInfo(("S", "D", "M"), std=fan_in("D"), tensor_axis=2),
     "shared_up": ParamInfo(("S", "D", "M"), std=fan_in("D"), tensor_axis=2),
-    "shared_down": ParamInfo(("S", "M", "D"), std=fan_in("M", residual=True), tensor_axis=1),
+    "shared_down": ParamInfo(("S", "M", "D"), std=fan_in("M", residual=True), tensor_axis=1, zero_if=zero_out),
+    "post_ffn_norm": _POST_NORM,
 }
 
 MAMBA = {  # M20 §19, Gu & Dao 2023 (layers/mamba.py): rules "dt_bias" and "A_log" come from mamba.init
@@ -176,10 +229,24 @@ MAMBA = {  # M20 §19, Gu & Dao 2023 (layers/mamba.py): rules "dt_bias" and "A_l
     "dt_bias": ParamInfo(("I",), "dt_bias", std=unit_std, role="elementwise", tensor_axis=0),
     "A_log": ParamInfo(("I", "N"), "A_log", role="elementwise", tensor_axis=0),
     "D": ParamInfo(("I",), "ones", role="elementwise", tensor_axis=0),
-    "out_proj": ParamInfo(("I", "D"), std=fan_in("I", residual=True), tensor_axis=0, lora_in=1),
+    "out_proj": ParamInfo(("I", "D"), std=fan_in("I", residual=True), tensor_axis=0, lora_in=1, zero_if=zero_out),
 }
 
-KINDS = {"attn": ATTN, "local": ATTN, "mamba": MAMBA, "swiglu": SWIGLU, "moe": MOE, "none": {}}
+KINDS = {"attn": ATTN, "local": ATTN, "mamba": MAMBA, "swiglu": SWIGLU, "geglu": SWIGLU, "relu2": RELU2, "moe": MOE,
+         "none": {}}
+
+
+def mtp_proj_std(cfg) -> float:
+    """σ = 1/√(2d) of each half of the MTP projection M [N(h); N(e)] (one fan-in of 2d, split in two)."""
+    return 1 / math.sqrt(2 * cfg.d_model)
+
+
+MTP = {  # DeepSeek-V3's MTP module k (model.mtp_hidden): h'^k = N(h^{k−1}) W_h + N(E[x_{t+k}]) W_e, then a layer
+    "mtp_h_norm": _NORM,
+    "mtp_e_norm": _NORM,
+    "mtp_h_proj": ParamInfo(("D", "D"), std=mtp_proj_std, extra=True),
+    "mtp_e_proj": ParamInfo(("D", "D"), std=mtp_proj_std, extra=True),
+}
 
 HEADS = {  # trained beside a model, not part of it: the reward model's r = w · R_last (U19 §11, post/reward.py)
     "reward_head": ParamInfo(("D",), "zeros"),  # and PPO's value V_t = w · R_t (post/ppo.py)
@@ -192,7 +259,7 @@ def entries() -> dict[str, ParamInfo]:
     several kinds declare (``ffn_norm``) must mean the same there: its shape, role, tensor axis and LoRA form
     agree."""
     out: dict[str, ParamInfo] = {}
-    for table in (TOP, ATTN, SWIGLU, MOE, MAMBA, HEADS):
+    for table in (TOP, ATTN, SWIGLU, RELU2, MOE, MAMBA, MTP, HEADS):
         for key, info in table.items():
             if key in out and out[key] != info:
                 raise ValueError(f"layout key {key!r} is declared twice with different meanings")
@@ -206,6 +273,8 @@ def dim(name: str, cfg) -> int:
     if name == "I":
         inner = getattr(cfg, "ssm_inner", None)
         return cfg.ssm_expand * cfg.d_model if inner is None else inner
+    if name == "U":  # the U-net's skip connections: one per layer of the first half
+        return cfg.n_layers // 2
     return getattr(cfg, DIMS[name])
 
 
@@ -231,6 +300,20 @@ def stack_count(cfg, *, active: bool = False, roles=THETA) -> int:
                for m, f in (cfg.layer_kinds(l) for l in range(cfg.n_layers)))
 
 
+def mtp_kinds(cfg) -> tuple[str, str]:
+    """The (mixer, FFN) kinds of every MTP module's layer: those of the stack's last layer."""
+    return cfg.layer_kinds(cfg.n_layers - 1)
+
+
+def mtp_count(cfg, *, active: bool = False, roles=THETA) -> int:
+    """Scalars of the ``mtp_depth`` D MTP modules: D·(MTP table + one layer of ``mtp_kinds``)."""
+    depth = getattr(cfg, "mtp_depth", 0)
+    if not depth:
+        return 0
+    m, f = mtp_kinds(cfg)
+    return depth * sum(count(t, cfg, active=active, roles=roles) for t in (MTP, KINDS[m], KINDS[f]))
+
+
 def matrix_shape(info: ParamInfo, shape_: tuple[int, ...]) -> tuple[int, int]:
     """(d_in, d_out) of a LoRA target's per-layer weight ``shape_``: its ``lora_in`` leading axes are inputs."""
     return math.prod(shape_[:info.lora_in]), math.prod(shape_[info.lora_in:])
@@ -245,8 +328,14 @@ def param_shapes(cfg) -> dict:
 
     groups = [{**layer(KINDS[m]), **layer(KINDS[f])} for m, f in cfg.group_kinds]
     top = {k: shape(i, cfg) for k, i in TOP.items() if present(i, cfg)}
-    return {"embed": top["embed"], "blocks": groups[0] if cfg.uniform else groups,
-            **{k: v for k, v in top.items() if k != "embed"}}
+    out = {"embed": top["embed"], "blocks": groups[0] if cfg.uniform else groups,
+           **{k: v for k, v in top.items() if k != "embed"}}
+    depth = getattr(cfg, "mtp_depth", 0)
+    if depth:
+        m, f = mtp_kinds(cfg)
+        out["mtp"] = {"blocks": {k: (depth, *shape(i, cfg)) for table in (MTP, KINDS[m], KINDS[f])
+                                 for k, i in table.items() if present(i, cfg)}}
+    return out
 
 
 # ----- derived tables --------------------------------------------------------------------------------------

@@ -39,7 +39,8 @@ from mlx_llm.kernels import SSM_SCANS as SCANS  # ModelConfig.ssm_scan's choices
 from mlx_llm.kernels import backend_platform
 from mlx_llm.kernels.ssm_scan import chunked_scan, resolve_ssm_scan
 from mlx_llm.layers import initializers, layout
-from mlx_llm.ops import dense, rms_norm
+from mlx_llm.layers.norm import norm
+from mlx_llm.ops import dense
 
 DT_MIN, DT_MAX = 1e-3, 1e-1  # Δ at initialisation is log-uniform in [DT_MIN, DT_MAX] (Gu & Dao 2023, §3.6)
 DRAWS = layout.draws(layout.MAMBA)  # normal() calls of ``init``: 9 (the projections, conv_w and the Δ draw)
@@ -179,7 +180,7 @@ def causal_conv(x_BTI, conv_w_WI, conv_b_I, segment_ids_BT=None) -> jax.Array:
 
 def in_projections(h_BTD, layer, cfg):
     """Y = N_γ(H) (M20 §4), then X = Y W_x and the gate Z = Y W_z, each (B, T, I)."""
-    y_BTD = rms_norm(h_BTD, layer["ssm_norm"], cfg.norm_eps)
+    y_BTD = norm(h_BTD, layer["ssm_norm"], cfg)
     return dense(y_BTD, layer["in_x"]), dense(y_BTD, layer["in_z"])
 
 

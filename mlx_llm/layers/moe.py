@@ -31,7 +31,8 @@ from mlx_llm.errors import ConfigError, InputError
 from mlx_llm.kernels import MOE_IMPLS as _ALL_MOE_IMPLS
 from mlx_llm.kernels.gmm import grouped_expert_ffn, on_token_shards
 from mlx_llm.layers import initializers, layout
-from mlx_llm.ops import dense, rms_norm, swiglu
+from mlx_llm.layers.norm import norm, post_norm
+from mlx_llm.ops import dense, swiglu
 
 MOE_IMPLS = tuple(i for i in _ALL_MOE_IMPLS if i != "auto")  # what ``branch`` runs ("auto" is resolved before)
 BLOCK = 256  # the largest block: bigger blocks run faster on XLA:CPU, smaller ones pad less (bench_moe.py)
@@ -217,10 +218,11 @@ def branch(z_BTD, layer, cfg, impl: str = "block", interpret: bool = False):
         raise ConfigError(f"moe.branch: impl = {impl!r} is invalid: valid impls are {list(MOE_IMPLS)} "
                           f"(resolve 'auto' with Kernels.resolve first)")
     b, t, d = z_BTD.shape
-    y_ND = rms_norm(z_BTD, layer["ffn_norm"], cfg.norm_eps).reshape(b * t, d)
+    y_ND = norm(z_BTD, layer["ffn_norm"], cfg).reshape(b * t, d)
     logits_NX = dense(y_ND, layer["router"], preferred_element_type=jnp.promote_types(y_ND.dtype, jnp.float32))
     ids_NK, w_NK = route(logits_NX, layer["router_offset"], cfg.moe_top_k, router=cfg.router, eps=cfg.router_eps)
     out_ND = routed_experts(y_ND, ids_NK, w_NK, layer, impl, interpret)
     if cfg.n_shared_experts:  # always run, summed without normalisation (M20 §15)
         out_ND = out_ND + shared_experts(y_ND, layer["shared_gate"], layer["shared_up"], layer["shared_down"])
-    return z_BTD + out_ND.reshape(b, t, d), {"router_offset": expert_load(ids_NK, cfg.n_experts)}
+    out_BTD = post_norm(out_ND.reshape(b, t, d), layer, "post_ffn_norm", cfg)
+    return z_BTD + out_BTD, {"router_offset": expert_load(ids_NK, cfg.n_experts)}

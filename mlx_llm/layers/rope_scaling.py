@@ -121,12 +121,17 @@ def rope_tables(cfg, seq_len=None, dtype=jnp.float32) -> tuple[jax.Array, float]
     raise ConfigError(f"rope_scaling = {kind!r} is not a known RoPE scaling")
 
 
-def rope_for(positions_BT: jax.Array, cfg, *xs_BTHK: jax.Array) -> tuple[jax.Array, ...]:
+def rope_for(positions_BT: jax.Array, cfg, *xs_BTHK: jax.Array, local: bool = False) -> tuple[jax.Array, ...]:
     """RoPE of ``cfg`` applied to each of ``xs_BTHK`` (q and k) at ``positions_BT``, from one table.
 
-    For "dynamic", seq_len = max(positions) + 1 over the whole batch, as transformers takes it.
+    For "dynamic", seq_len = max(positions) + 1 over the whole batch, as transformers takes it. A ``local``
+    (sliding-window) layer of a config with ``rope_local_base`` rotates plainly at that base, ω_i =
+    base_local^(−2i/d_h), with no scaling (Gemma 3: local layers at 10⁴, global ones at 10⁶ and their scaling).
     """
     dtype = _accum_dtype(xs_BTHK[0].dtype)
+    if local and getattr(cfg, "rope_local_base", None) is not None:
+        omega = rope_frequencies(cfg.d_head, cfg.rope_local_base, dtype)
+        return tuple(rope_rotate(x, positions_BT, omega) for x in xs_BTHK)
     seq_len = jnp.max(positions_BT) + 1 if cfg.rope_scaling == "dynamic" else None
     omega, factor = rope_tables(cfg, seq_len, dtype)
     return tuple(rope_rotate(x, positions_BT, omega, position_scale=position_scale(cfg), attention_factor=factor)

@@ -49,6 +49,22 @@ def sequence_log_likelihood(logits_BTV: jax.Array, targets_BT: jax.Array, mask_B
     return -jnp.sum(_masked(jnp.asarray(mask_BT).astype(nll_BT.dtype), nll_BT), axis=-1)
 
 
+def mtp_targets(targets_BT, mask_BT, segment_ids_BT, k: int):
+    """The targets and loss mask of multi-token-prediction depth k (DeepSeek-V3's module k, ``model.mtp_hidden``):
+    row t predicts x_{t+k+1} = ``targets[t+k]``, counted where that target is counted at its own position (mask
+    at t + k), lies inside the window (t + k < T) and in row t's document (same segment id: packed documents
+    never predict across a boundary). Returns (targets_k, mask_k), both (B, T); k = 0 gives the inputs back."""
+    if k == 0:
+        return targets_BT, mask_BT
+    b, t = targets_BT.shape
+    shift = lambda a: jnp.pad(a[:, k:], ((0, 0), (0, min(k, t))))[:, :t]  # noqa: E731
+    keep_BT = jnp.arange(t)[None, :] + k < t
+    if segment_ids_BT is not None:
+        keep_BT = keep_BT & (shift(segment_ids_BT) == segment_ids_BT)
+    mask_k = jnp.where(keep_BT, shift(jnp.asarray(mask_BT)), 0).astype(jnp.asarray(mask_BT).dtype)
+    return shift(targets_BT), mask_k
+
+
 def perplexity(loss_nats):
     """e^L: the die with this many faces (U19 §2)."""
     return jnp.exp(loss_nats)

@@ -34,7 +34,7 @@ from mlx_llm.objectives.preference import (  # noqa: F401 (the equations live th
     gae, token_rewards, token_losses)
 from mlx_llm.settings import check_number
 from mlx_llm.model import hidden_states, nll_from_hidden, resolved
-from mlx_llm.ops import rms_norm
+from mlx_llm.layers.norm import norm
 from mlx_llm.post import prologue
 from mlx_llm.runs.configs import RLConfig
 from mlx_llm.runs.load import trainable_tree
@@ -101,7 +101,7 @@ def token_logprobs_and_values(params, value_head, cfg, seqs, kernels=None, *, re
     ids = jnp.asarray(seqs["ids"])
     h_BTD, load = hidden_states(params, ids[:, :-1], cfg, kernels=kernels, remat=remat, return_aux=True)
     logp_BT = -nll_from_hidden(h_BTD, ids[:, 1:], params, cfg, kernels.loss_chunk)
-    r_BTD = rms_norm(h_BTD, params["final_norm"], cfg.norm_eps)
+    r_BTD = norm(h_BTD, params["final_norm"], cfg)
     acc = jnp.promote_types(r_BTD.dtype, jnp.float32)
     return logp_BT, jnp.einsum("btd,d->bt", r_BTD.astype(acc), value_head.astype(acc)), load
 

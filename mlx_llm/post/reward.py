@@ -26,7 +26,7 @@ from mlx_llm.errors import ConfigError
 from mlx_llm.model import hidden_states
 from mlx_llm.objectives.preference import (  # noqa: F401 (the equations live there)
     preference_probability, bt_loss, bt_grads)
-from mlx_llm.ops import rms_norm
+from mlx_llm.layers.norm import norm
 from mlx_llm.post import prologue
 from mlx_llm import lora as lora_lib
 from mlx_llm.post import pairs as pairs_lib
@@ -47,7 +47,7 @@ def sequence_rewards(params, head_D, cfg: ModelConfig, seqs, kernels=None, *, re
     ``return_aux``, also the trunk's MoE expert loads."""
     ids = seqs["ids"]
     h_BTD, load = hidden_states(params, ids, cfg, kernels=kernels, remat=remat, return_aux=True)
-    r_BTD = rms_norm(h_BTD, params["final_norm"], cfg.norm_eps)
+    r_BTD = norm(h_BTD, params["final_norm"], cfg)
     last_BD = jnp.take_along_axis(r_BTD, (seqs["length"] - 1)[:, None, None].astype(jnp.int32), axis=1)[:, 0]
     acc = jnp.promote_types(last_BD.dtype, jnp.float32)  # rewards leave in ≥ float32, like logits
     r_B = jnp.einsum("bd,d->b", last_BD.astype(acc), head_D.astype(acc))

@@ -149,9 +149,14 @@ def matmul_params(cfg: ModelConfig) -> int:
     in_x, in_z (2dI), w_dt and dt_proj (2IR), w_B and w_C (2IN) and out_proj (Id); its depthwise conv, biases,
     A_log and D act elementwise, and the scan's own work (a few operations per (i, n) per token) is not a
     weight product either. Which arrays are matrix-product weights is their role in ``layers.layout``.
+
+    The knobs: a ReLU² FFN has 2dm (no gate), a GeGLU 3dm; ``mtp_depth`` D adds, per module, its projection 2d²,
+    one layer of the stack's last kinds and another d×V output product (training only: generation runs none).
+    Value embeddings are lookups, soft caps, sandwich norms, gates and U-net skips elementwise: none counts.
     """
     unembedding = cfg.d_model * cfg.vocab_size
-    return unembedding + layout.stack_count(cfg, active=True, roles=("matmul",))
+    mtp = layout.mtp_count(cfg, active=True, roles=("matmul",)) + cfg.mtp_depth * unembedding
+    return unembedding + layout.stack_count(cfg, active=True, roles=("matmul",)) + mtp
 
 
 def mamba_matmul_params(cfg: ModelConfig) -> int:
@@ -193,10 +198,14 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = Fals
 
     ``causal=False`` counts the full T×T score matrix, which is what ``ops.attention`` computes (masked
     entries are computed, then discarded): use it for achieved FLOP/s. ``causal=True`` counts only the
-    unmasked entries, (T+1)/2 keys per query on average: 6·N_mm + 6·L·(T+1)·h_q·d_h.
+    unmasked entries, (T+1)/2 keys per query on average: 6·N_mm + 6·L·(T+1)·h_q·d_h. The MTP modules' attention
+    layers (``mtp_depth``) count like the stack's.
     """
     T = _count("seq_len", seq_len)
     keys = sum(mixer_layers(cfg, kind) * keys_per_query(cfg, kind, T, causal=causal) for kind in ("attn", "local"))
+    mtp_mixer = layout.mtp_kinds(cfg)[0]
+    if cfg.mtp_depth and mtp_mixer in ("attn", "local"):
+        keys += cfg.mtp_depth * keys_per_query(cfg, mtp_mixer, T, causal=causal)
     attention = 12 * keys * cfg.n_heads * cfg.d_head if keys else 0
     return float(6 * matmul_params(cfg) + attention)
 

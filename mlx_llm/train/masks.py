@@ -1,6 +1,6 @@
 """Which parameters the optimizer treats how, read from each leaf's declaration in ``layers/layout.py``: the decay
-mask of AdamW (M20 §12) and the routing state that no gradient optimizer touches (M20 §15). Shared by the AdamW
-chain (``optim``) and Muon (``muon``)."""
+mask of AdamW (M20 §12), the routing state that no gradient optimizer touches (M20 §15) and the learning-rate
+multiplier of each leaf's group (``role_lr_scales``). Shared by the AdamW chain (``optim``) and Muon (``muon``)."""
 
 from __future__ import annotations
 
@@ -73,3 +73,16 @@ def exclude_routing_state(inner: optax.GradientTransformation) -> optax.Gradient
         return _restore_routing_state(theta_updates, updates, jnp.zeros_like), state
 
     return optax.GradientTransformation(init, update)
+
+
+def role_lr_scales(params, *, embed: float = 1.0, head: float = 1.0, scalar: float = 1.0):
+    """A tree like ``params`` of learning-rate multipliers (Python floats) by each leaf's declared group
+    (``layout.ParamInfo.lr_group``): ``embed`` for the input tables (the embedding, value embeddings; a tied
+    embedding is also the head and takes ``embed``), ``head`` for the untied output projection, ``scalar`` for
+    norm gains, biases, gates, skip weights and Mamba's elementwise parameters, 1 for the matrices (Muon's or
+    AdamW's) and for routing state (which gets no update). nanochat and modded-nanogpt train these groups at
+    their own rates. A multiplier tree composes with others leaf by leaf (``optim.multiply_scales``, applied by
+    ``optim.scale_per_leaf``)."""
+    factor = {"embed": embed, "head": head, "scalar": scalar, "matrix": 1.0, None: 1.0}
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: float(factor[declared(tuple(key_name(e) for e in path)).lr_group]), params)

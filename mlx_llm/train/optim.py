@@ -12,21 +12,61 @@ import optax
 from mlx_llm.config import DECAY_SHAPES, OPTIMIZERS, wsd_decay_steps
 from mlx_llm.errors import ConfigError
 from mlx_llm.train import muon
-from mlx_llm.train.masks import ROUTING_STATE_KEYS, decay_mask, exclude_routing_state, strip_routing_state  # noqa: F401
+from mlx_llm.train.masks import (ROUTING_STATE_KEYS, decay_mask, exclude_routing_state, role_lr_scales,  # noqa: F401
+                                 strip_routing_state)
 
 Schedule = Callable[[jax.Array], jax.Array]
 
 
+def scale_per_leaf(scales: Callable[[Any], Any]) -> optax.GradientTransformation:
+    """u ← s·u leaf by leaf, s = ``scales(updates)`` a tree of numbers like the updates (e.g. ``role_lr_scales``,
+    or ``multiply_scales`` of several such functions), read from the tree's paths at trace time, so it costs one
+    multiply per leaf whose s ≠ 1. At the end of a chain, after the learning rate, it is a per-leaf learning
+    rate: the leaf's decoupled decay scales with it, as AdamW's does with η. Stateless."""
+
+    def update(updates, state, params=None):
+        del params
+        return jax.tree.map(lambda u, s: u if s == 1.0 else u * jnp.asarray(s, u.dtype), updates,
+                            scales(updates)), state
+
+    return optax.GradientTransformation(optax.init_empty_state, update)
+
+
+def multiply_scales(*scales: Callable[[Any], Any] | None) -> Callable[[Any], Any] | None:
+    """One per-leaf multiplier function from several (each a function of the updates tree giving a tree of floats,
+    or None for none): their leafwise product, so every source of per-leaf learning rates (the groups' multipliers,
+    a parametrization's) meets in the chain's one ``scale_per_leaf`` step. None when none is given; the function
+    itself when one is."""
+    given = [f for f in scales if f is not None]
+    if not given:
+        return None
+    if len(given) == 1:
+        return given[0]
+
+    def product(tree):
+        out = given[0](tree)
+        for f in given[1:]:
+            out = jax.tree.map(lambda a, b: a * b, out, f(tree))
+        return out
+
+    return product
+
+
 def make_optimizer(learning_rate: float | Schedule, *, b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8,
                    weight_decay: float = 0.1, clip_norm: float | None = 1.0, kind: str = "adamw",
-                   spike_factor: float | None = None) -> optax.GradientTransformation:
+                   spike_factor: float | None = None, polar_express: bool = False, cautious_wd: bool = False,
+                   lr_scales: Callable[[Any], Any] | None = None) -> optax.GradientTransformation:
     """M20 §12: g̃ = g·min(1, c/‖g‖₂) over all trainable scalars, then AdamW
     θ_s = (1 − η_s λ) θ_{s−1} − η_s m̂_s / (√v̂_s + ε), with λ on the weight matrices only (``decay_mask``).
 
     Routing state (MoE offsets) is not θ: the chain never sees it (``exclude_routing_state``).
     ``clip_norm=None`` disables clipping. ``learning_rate`` is a float or a schedule of the step count.
     ``kind`` "muon": Muon on each layer's matrices and AdamW on the rest after the same clipping
-    (train/muon.py); ``spike_factor`` k: ``skip_spikes`` around the whole chain.
+    (train/muon.py); "normuon": the same with NorMuon's per-neuron normalisation; ``polar_express`` (Muon kinds)
+    orthogonalises by Polar Express; ``cautious_wd``: cautious weight decay in every group; ``lr_scales``: a
+    function of the updates tree giving each leaf's learning-rate multiplier (``scale_per_leaf``; e.g.
+    ``role_lr_scales``, or ``multiply_scales`` of several), None for none; ``spike_factor`` k: ``skip_spikes``
+    around the whole chain.
     """
     for name, value, ok in (("b1", b1, 0 <= b1 < 1), ("b2", b2, 0 <= b2 < 1), ("eps", eps, eps > 0),
                             ("weight_decay", weight_decay, weight_decay >= 0)):
@@ -37,10 +77,16 @@ def make_optimizer(learning_rate: float | Schedule, *, b1: float = 0.9, b2: floa
         raise ConfigError(f"make_optimizer: clip_norm = {clip_norm!r} is invalid: it must be > 0 or None")
     if kind not in OPTIMIZERS:
         raise ConfigError(f"make_optimizer: kind = {kind!r} is invalid: valid optimizers are {list(OPTIMIZERS)}")
-    if kind == "muon":
-        update = muon.muon_update(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+    if polar_express and kind == "adamw":
+        raise ConfigError("make_optimizer: polar_express replaces Muon's Newton–Schulz iteration: it needs kind "
+                          "'muon' or 'normuon'")
+    if kind in ("muon", "normuon"):
+        update = muon.muon_update(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
+                                  normuon=kind == "normuon", polar_express=polar_express, cautious_wd=cautious_wd)
     else:
-        update = optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask)
+        update = muon.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, cautious=cautious_wd)
+    if lr_scales is not None:
+        update = optax.chain(update, scale_per_leaf(lr_scales))
     chain = update if clip_norm is None else optax.chain(optax.clip_by_global_norm(clip_norm), update)
     return exclude_routing_state(chain if spike_factor is None else skip_spikes(chain, spike_factor))
 

@@ -21,12 +21,13 @@ import optax
 from mlx_llm.config import ModelConfig, TrainConfig
 from mlx_llm.kernels import backend_platform
 from mlx_llm.objectives import diffusion
-from mlx_llm.objectives.loss import bits_per_byte, perplexity
-from mlx_llm.model import hidden_states, init_params, logits_from_hidden, nll_from_hidden, resolved
+from mlx_llm.objectives.loss import bits_per_byte, mtp_targets, perplexity
+from mlx_llm.model import (hidden_states, init_params, logits_from_hidden, mtp_hidden, nll_from_hidden, resolved,
+                           training_window)
 from mlx_llm.layers.moe import apply_offset_rule
 from mlx_llm.train import watch
-from mlx_llm.train.optim import SpikeState, make_optimizer, warmup_cosine, warmup_stable_decay
-from mlx_llm.train.masks import strip_routing_state
+from mlx_llm.train.optim import SpikeState, make_optimizer, multiply_scales, warmup_cosine, warmup_stable_decay
+from mlx_llm.train.masks import role_lr_scales, strip_routing_state
 from mlx_llm.train.parallel import batch_sharding, global_batch, local_rows, replicated, tree_shardings
 
 BATCH_KEYS = ("tokens", "targets", "mask", "segment_ids", "positions")
@@ -73,7 +74,25 @@ def optimizer_for(tcfg: TrainConfig, updates_per_step: int = 1) -> optax.Gradien
     if updates_per_step != 1:
         schedule = (lambda base, n: lambda count: base(count // n))(schedule, updates_per_step)
     return make_optimizer(schedule, b1=tcfg.b1, b2=tcfg.b2, weight_decay=tcfg.weight_decay, clip_norm=tcfg.clip_norm,
-                          kind=tcfg.optimizer, spike_factor=tcfg.spike_factor if tcfg.skip_spikes else None)
+                          kind=tcfg.optimizer, spike_factor=tcfg.spike_factor if tcfg.skip_spikes else None,
+                          polar_express=tcfg.polar_express, cautious_wd=tcfg.cautious_wd,
+                          lr_scales=lr_scales_for(tcfg))
+
+
+def lr_scales_for(tcfg: TrainConfig) -> Callable | None:
+    """The run's per-leaf learning-rate multipliers as one function of the updates tree (``optim.multiply_scales``
+    of every source: the groups' ``role_scales_for``); None when every multiplier is 1."""
+    return multiply_scales(role_scales_for(tcfg))
+
+
+def role_scales_for(tcfg: TrainConfig) -> Callable | None:
+    """The run's per-group learning-rate multipliers (``--embed-lr-scale``, ``--head-lr-scale``,
+    ``--scalar-lr-scale``) as ``role_lr_scales`` of the updates tree; None when all are 1 (the chain is then
+    exactly the one without them)."""
+    scales = dict(embed=tcfg.embed_lr_scale, head=tcfg.head_lr_scale, scalar=tcfg.scalar_lr_scale)
+    if all(v == 1.0 for v in scales.values()):
+        return None
+    return functools.partial(role_lr_scales, **scales)
 
 
 def init_state(cfg: ModelConfig, tcfg: TrainConfig, optimizer: optax.GradientTransformation,
@@ -94,26 +113,51 @@ def cast_params(params, dtype):
 
 
 def summed_loss_and_aux(params, batch, cfg: ModelConfig, compute_dtype, remat: str = "none", kernels=None,
-                        z_loss: float = 0.0):
+                        z_loss: float = 0.0, mtp_weight: float = 0.0, window=None):
     """(Σ_t b_t · −log p(x_t | x_<t), (Σ_t b_t, aux)) of one (micro-)batch; logits and loss in float32.
 
     aux holds the MoE expert loads (assignments per expert, stacked like the blocks) of this batch. ``kernels``:
     the execution paths (default the reference ones), the loss chunked as ``kernels.loss_chunk`` says.
     ``z_loss`` W > 0 adds PaLM's auxiliary W·(log Z_t)² per target (Chowdhery et al. 2022, §5: it keeps the
-    softmax normaliser near 1 for stability) to the sum, and aux becomes (loads, Σ_t b_t·W·(log Z_t)²).
+    softmax normaliser near 1 for stability) to the sum, and aux becomes (loads, {"z_loss": Σ_t b_t·W·(log Z_t)²}).
+    ``mtp_weight`` λ > 0 (a model with ``mtp_depth`` D) adds λ·(n/D) Σ_k L_k, L_k = Σ_t b^k_t ℓ^k_t / n_k the mean
+    loss of MTP depth k over its n_k targets (``mtp_targets``), so that the step's division by n = Σ b_t gives
+    L_main + λ·mean_k L_k; aux's dict then holds "mtp_loss" = (n/D) Σ_k L_k (λ-free, summed like the loss).
+    With several micro-batches each L_k is its micro-batch's mean (exact for one). ``window``: the 'local' layers'
+    warmed-up window (``model.training_window``).
     """
     kernels = resolved(kernels)
     p = cast_params(params, compute_dtype)
-    h_BTD, aux = hidden_states(p, batch["tokens"], cfg, positions_BT=batch["positions"],
-                               segment_ids_BT=batch["segment_ids"], return_aux=True, remat=remat, kernels=kernels)
-    if not z_loss:
+    (h_BTD, aux), ctx = hidden_states(p, batch["tokens"], cfg, positions_BT=batch["positions"],
+                                      segment_ids_BT=batch["segment_ids"], return_aux=True, remat=remat,
+                                      kernels=kernels, window=window, return_ctx=True)
+    if not z_loss and not mtp_weight:
         nll_BT = nll_from_hidden(h_BTD, batch["targets"], p, cfg, kernels.loss_chunk)
         b_BT = batch["mask"].astype(nll_BT.dtype)
         return jnp.sum(b_BT * nll_BT), (jnp.sum(b_BT), aux)
     nll_BT, lse_BT = nll_from_hidden(h_BTD, batch["targets"], p, cfg, kernels.loss_chunk, return_lse=True)
     b_BT = batch["mask"].astype(nll_BT.dtype)
-    z_sum = z_loss * jnp.sum(b_BT * jnp.square(lse_BT))
-    return jnp.sum(b_BT * nll_BT) + z_sum, (jnp.sum(b_BT), (aux, z_sum))
+    n, extras = jnp.sum(b_BT), {}
+    total = jnp.sum(b_BT * nll_BT)
+    if z_loss:
+        extras["z_loss"] = z_loss * jnp.sum(b_BT * jnp.square(lse_BT))
+        total = total + extras["z_loss"]
+    if mtp_weight:
+        extras["mtp_loss"] = n * mtp_mean_loss(h_BTD, p, batch, cfg, ctx, kernels.loss_chunk)
+        total = total + mtp_weight * extras["mtp_loss"]
+    return total, (n, (aux, extras))
+
+
+def mtp_mean_loss(h_BTD, params, batch, cfg: ModelConfig, ctx, loss_chunk=0):
+    """(1/D) Σ_k L_k: the mean over the D MTP depths of each depth's mean next-(k+1)-token loss (DeepSeek-V3 §2.2,
+    L_MTP without its λ), from the main stack's H⁽ᴸ⁾ and its forward's context (``model.mtp_hidden``)."""
+    losses = []
+    for k, h_k in enumerate(mtp_hidden(h_BTD, params, batch["targets"], cfg, ctx), start=1):
+        targets_k, mask_k = mtp_targets(batch["targets"], batch["mask"], batch["segment_ids"], k)
+        nll_BT = nll_from_hidden(h_k, targets_k, params, cfg, loss_chunk)
+        b_BT = mask_k.astype(nll_BT.dtype)
+        losses.append(jnp.sum(b_BT * nll_BT) / jnp.maximum(jnp.sum(b_BT), 1))
+    return sum(losses) / len(losses)
 
 
 def summed_nelbo_and_aux(params, batch, key, cfg: ModelConfig, compute_dtype, mask_id: int, remat: str = "none",
@@ -131,14 +175,24 @@ def summed_nelbo_and_aux(params, batch, key, cfg: ModelConfig, compute_dtype, ma
     return jnp.sum(nelbo_B), (jnp.sum(maskable_BT.astype(nelbo_B.dtype)), aux)
 
 
-def objective_fn(cfg: ModelConfig, tcfg: TrainConfig, compute_dtype, mask_id, platform: str | None = None):
-    """(params, micro-batch, key) → (summed loss, (count, aux)) for ``tcfg.objective``; the AR loss ignores key.
-    The execution paths are ``tcfg``'s, resolved for ``platform`` (default: the default backend)."""
+def objective_fn(cfg: ModelConfig, tcfg: TrainConfig, compute_dtype, mask_id, platform: str | None = None,
+                 training: bool = False):
+    """(params, micro-batch, key[, step]) → (summed loss, (count, aux)) for ``tcfg.objective``; the AR loss ignores
+    key. The execution paths are ``tcfg``'s, resolved for ``platform`` (default: the default backend).
+    ``training``: the loss a step descends — with the MTP modules' loss (``mtp_depth`` > 0) and, under a window
+    warmup, the window of update ``step``; evaluation scores the model as it decodes (neither)."""
     kernels = tcfg.kernels(platform, resolve=True)
     if tcfg.objective == "diffusion":
         diffusion.check_mask_id(mask_id, cfg.vocab_size)
-        return lambda p, mb, key: summed_nelbo_and_aux(p, mb, key, cfg, compute_dtype, mask_id, tcfg.remat, kernels)
-    return lambda p, mb, key: summed_loss_and_aux(p, mb, cfg, compute_dtype, tcfg.remat, kernels, tcfg.z_loss)
+        return lambda p, mb, key, step=None: summed_nelbo_and_aux(p, mb, key, cfg, compute_dtype, mask_id,
+                                                                  tcfg.remat, kernels)
+    mtp_weight = tcfg.mtp_weight if training and cfg.mtp_depth else 0.0
+
+    def fn(p, mb, key, step=None):
+        window = training_window(cfg, step) if training and step is not None else None
+        return summed_loss_and_aux(p, mb, cfg, compute_dtype, tcfg.remat, kernels, tcfg.z_loss, mtp_weight, window)
+
+    return fn
 
 
 def summed_loss(params, batch, cfg: ModelConfig, compute_dtype) -> tuple[jax.Array, jax.Array]:
@@ -154,16 +208,17 @@ def lm_objective(cfg: ModelConfig, tcfg: TrainConfig, mask_id: int | None = None
     ``model_of(trainable, frozen)`` builds the model from them (adapters beside a frozen base, lora.py): the loss
     is then a function of the trainable part alone, so the frozen part is never differentiated and the optimizer
     sees only what is trained."""
-    objective = objective_fn(cfg, tcfg, jnp.dtype(tcfg.compute_dtype), mask_id, platform)
+    objective = objective_fn(cfg, tcfg, jnp.dtype(tcfg.compute_dtype), mask_id, platform, training=True)
 
-    def fn(trainable, frozen, mb, key):
+    def fn(trainable, frozen, mb, key, step=None):
         params = trainable if model_of is None else model_of(trainable, frozen)
-        loss_sum, (n, aux) = objective(params, mb, key)
-        if tcfg.z_loss:
-            load, z_sum = aux
-            return loss_sum, (n, load, {"z_loss": z_sum})
+        loss_sum, (n, aux) = objective(params, mb, key, step)
+        if tcfg.objective == "ar" and (tcfg.z_loss or cfg.mtp_depth):
+            load, extras = aux
+            return loss_sum, (n, load, extras)
         return loss_sum, (n, aux, {})
 
+    fn.takes_step = bool(cfg.window_warmup_steps)  # make_update passes the update number (the window warmup)
     return fn
 
 
@@ -201,13 +256,16 @@ def make_update(objective: Callable, tcfg: TrainConfig, optimizer: optax.Gradien
     ``watch``: the per-layer RMS of the parameters after the update, of the gradients and of the updates
     (train/watch.py), computed here from the stacked layer axis (no extra transfer; other steps skip the
     reductions and carry zeros). With ``--skip-spikes`` they hold ``spikes_skipped``, the run's count so far.
+    An objective with ``takes_step`` (``lm_objective`` under a window warmup) also receives the state's step.
     """
-    grad_fn = jax.value_and_grad(objective, has_aux=True)
+    takes_step = getattr(objective, "takes_step", False)
     schedule = schedule_for(tcfg)
     if tcfg.watch_interval and n_layers is None:
         raise ValueError("make_update: watch_interval needs the model's n_layers")
 
-    def one_update(params, opt_state, frozen, batch, key, watching):
+    def one_update(params, opt_state, frozen, batch, key, watching, step):
+        at_step = functools.partial(objective, step=step) if takes_step else objective
+        grad_fn = jax.value_and_grad(at_step, has_aux=True)
         (loss_sum, (n, load, sums)), grads = _accumulate(grad_fn, tcfg.grad_accum, params, frozen, batch, key)
         grads = jax.tree.map(lambda g: g / n, grads)
         updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -226,10 +284,12 @@ def make_update(objective: Callable, tcfg: TrainConfig, optimizer: optax.Gradien
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
         watching = (state.step + 1) % max(tcfg.watch_interval, 1) == 0
         if epochs * minibatches == 1:
-            params, opt_state, metrics = one_update(state.params, state.opt_state, frozen, batch, key, watching)
+            params, opt_state, metrics = one_update(state.params, state.opt_state, frozen, batch, key, watching,
+                                                    state.step)
         else:
-            params, opt_state, metrics = _several_updates(functools.partial(one_update, watching=watching), state,
-                                                          frozen, batch, key, epochs, minibatches)
+            params, opt_state, metrics = _several_updates(
+                functools.partial(one_update, watching=watching, step=state.step), state, frozen, batch, key, epochs,
+                minibatches)
         new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, data_step=state.data_step + 1)
         loss, grad_norm = metrics.pop("loss"), metrics.pop("grad_norm")
         return new, {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step), **metrics}

@@ -90,8 +90,10 @@ def _walk(node, path: tuple[str, ...], n_layers: int, out: dict) -> None:
         for k, v in node.items():
             if k in ROUTING_STATE_KEYS:
                 continue
-            if k == "blocks":
-                _blocks_rms(v, "".join(p + "/" for p in path), n_layers, out)
+            if k == "blocks":  # the MTP modules (``mtp/blocks``) are stacked over their depth D, not over L
+                depth = path[-1:] == ("mtp",)
+                n = jax.tree.leaves(v)[0].shape[0] if depth and jax.tree.leaves(v) else n_layers
+                _blocks_rms(v, "".join(p + "/" for p in path), n, out)
             else:
                 _walk(v, path + (str(k),), n_layers, out)
     elif isinstance(node, (list, tuple)):
@@ -110,7 +112,8 @@ def layer_rms(tree, n_layers: int) -> dict[str, jax.Array]:
       attention layers for ``wq`` in an attention/Mamba stack);
     - prefix + "layer" → (L,) RMS over all trainable scalars of each layer pooled (√(Σx² / Σcount)); a layer
       with no leaf at all reads 0;
-    - every other leaf (``embed``, ``unembed``, ``final_norm``, heads): its path joined by "/" → scalar RMS.
+    - every other leaf (``embed``, ``unembed``, ``final_norm``, heads): its path joined by "/" → scalar RMS;
+    - the MTP modules' ``mtp/blocks`` like the stack's, per module (D of them) instead of per layer.
 
     Routing state is excluded throughout. Computed in float32, or the leaf's dtype if wider. Traceable under
     ``jax.jit`` (only shapes decide the structure); ``n_layers`` must be static.

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from mlx_llm import lora as lora_lib
 from mlx_llm.config import ATTENTION_KINDS, ModelConfig
+from mlx_llm.errors import ConfigError
 from mlx_llm.model import check_tokens, embed, layer_list, unembed_matrix
 from mlx_llm.objectives.grads.blocks import (attention_branch_backward, attention_branch_forward, moe_branch_forward,
                                              swiglu_branch_backward, swiglu_branch_forward)
@@ -68,9 +69,30 @@ def restack(per_layer: list, cfg: ModelConfig):
 
 
 # ----- the stack and a head ----------------------------------------------------------------------------------------
+# ModelConfig fields (at their off value) whose equations the hand backward does not have: their gradients come
+# from jax.grad, and each knob's equation is checked against a direct formula in its own tests (test_knobs.py).
+NOT_BY_HAND = {"attn_softcap": None, "logit_softcap": None, "value_embeds": False, "unet_skips": False,
+               "sandwich_norm": False, "norm_unit_offset": False, "embed_scale": False, "rope_local_base": None,
+               "score_dim": None, "mtp_depth": 0}
+BY_HAND_FFNS = ("swiglu", "moe", "none")
+
+
+def check_by_hand(cfg: ModelConfig) -> None:
+    """Refuse, by name, a config whose forward has terms the hand backward does not write out (rather than give
+    the gradient of another model). ``zero_init_out`` and the window warmup change no equation of a forward."""
+    knobs = [f"{k} = {getattr(cfg, k)!r}" for k, off in NOT_BY_HAND.items() if getattr(cfg, k) != off]
+    ffns = sorted(set(cfg.ffn_pattern) - set(BY_HAND_FFNS))
+    if knobs or ffns:
+        what = ", ".join(knobs + [f"FFN kind(s) {ffns}"] * bool(ffns))
+        raise ConfigError(f"the hand-written backward covers the M20 stack and its variants, not {what}: use "
+                          f"jax.grad for this config (its knobs are checked against direct formulas instead)")
+
+
 def value_and_grad_with_head(params, tokens_BT, cfg: ModelConfig, head, *, positions_BT=None, segment_ids_BT=None):
     """(loss, grads) of ``head`` on the model's final rows: ``head(R, U)`` → (loss, G_R, G_U). The forward keeps
-    one tape per layer; the backward runs the module docstring's order. ``grads`` is shaped like ``params``."""
+    one tape per layer; the backward runs the module docstring's order. ``grads`` is shaped like ``params``.
+    Configs with terms it has no equations for are refused (``check_by_hand``)."""
+    check_by_hand(cfg)
     check_tokens(tokens_BT, cfg)
     params, tokens_BT = jax.tree.map(jnp.asarray, params), jnp.asarray(tokens_BT)
     b, t = tokens_BT.shape
