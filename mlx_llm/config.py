@@ -25,6 +25,7 @@ ROUTERS = ("sigmoid", "softmax")
 OBJECTIVES = ("ar", "diffusion")  # TrainConfig.objective
 MESH_AXES = ("data", "fsdp", "tensor")  # TrainConfig.mesh (train/parallel.py)
 REMAT_POLICIES = ("none", "full", "dots")  # TrainConfig.remat (model.run_stack)
+MUP_MIXERS, MUP_FFNS = ("attn", "local"), ("swiglu", "none")  # the layer kinds μP's rules cover (layers/layout.py)
 _NEEDS = {"attn": ("n_heads", "n_kv_heads", "d_head"), "local": ("n_heads", "n_kv_heads", "d_head", "sliding_window"),
           "mamba": (), "swiglu": ("d_ff",),
           "moe": ("n_experts", "moe_top_k", "moe_d_ff"), "none": ()}
@@ -118,6 +119,14 @@ class ModelConfig(JsonConfig):
     "fused" (one pass over positions, hand-written backward; fastest on CPU), "associative" (log depth over
     materialised (B, T, I, N) tensors), "chunked" (sequential over chunks, associative inside, memory flat in T)
     or "auto": how training and prefill run the recurrence (layers/mamba.py, kernels/ssm_scan.py).
+
+    ``parametrization`` "sp" (standard) or "mup" (the maximal-update parametrization of Yang et al. 2022, "Tensor
+    Programs V", relative to a base model of width ``mup_base_width``: every rule is the identity at d_model =
+    mup_base_width, so hyperparameters tuned there transfer to wider models). Its rules come from the layout
+    (layers/layout.py): the output multiplier 1/m on the logits (m = d_model / mup_base_width), the unembedding's
+    initial σ of the base width, the attention logit scale √d₀/d_h (d₀ = ``mup_base_head_width``; 1/d_h when
+    unset) and per-parameter learning-rate multipliers in the optimizer (``train.optim.mup_lr_scales``). Attention
+    and SwiGLU layers only.
     """
 
     vocab_size: int
@@ -162,6 +171,9 @@ class ModelConfig(JsonConfig):
     ssm_expand: int = 2
     ssm_dt_rank: int | None = None
     ssm_scan: str = "fused"
+    parametrization: str = "sp"
+    mup_base_width: int | None = None
+    mup_base_head_width: int | None = None
 
     def __post_init__(self) -> None:
         for name in _POSITIVE_INTS:
@@ -195,6 +207,7 @@ class ModelConfig(JsonConfig):
             self._check_moe()
         if "mamba" in self.mixer_pattern:
             self._check_mamba()
+        self._check_parametrization()
 
     def _check_patterns(self) -> None:
         for name, kinds in (("mixer_pattern", MIXER_KINDS), ("ffn_pattern", FFN_KINDS)):
@@ -275,6 +288,34 @@ class ModelConfig(JsonConfig):
         if self.ssm_scan not in SSM_SCANS:
             raise ConfigError(f"ModelConfig.ssm_scan = {self.ssm_scan!r} is invalid: valid scans are "
                               f"{list(SSM_SCANS)}")
+
+    def _check_parametrization(self) -> None:
+        if self.parametrization not in layout.PARAMETRIZATIONS:
+            raise ConfigError(f"ModelConfig.parametrization = {self.parametrization!r} is invalid: valid values are "
+                              f"{list(layout.PARAMETRIZATIONS)}")
+        given = [f"{name} = {getattr(self, name)!r}" for name in ("mup_base_width", "mup_base_head_width")
+                 if getattr(self, name) is not None]
+        if self.parametrization == "sp":
+            if given:
+                raise ConfigError(f"ModelConfig: {', '.join(given)} set(s) the μP base model, but parametrization = "
+                                  f"'sp': give parametrization = 'mup', or drop them")
+            return
+        if self.mup_base_width is None:
+            raise ConfigError("ModelConfig.mup_base_width is not set: parametrization = 'mup' scales every rule by "
+                              "d_model / mup_base_width (a positive integer: the width the hyperparameters were tuned at)")
+        _require_int(self, "mup_base_width", minimum=1)
+        if self.mup_base_head_width is not None:
+            _require_int(self, "mup_base_head_width", minimum=1)
+        bad = sorted((set(self.mixer_pattern) - set(MUP_MIXERS)) | (set(self.ffn_pattern) - set(MUP_FFNS)))
+        if bad:
+            raise ConfigError(f"ModelConfig.parametrization = 'mup' has no rules for layer kind(s) {bad} (a router "
+                              f"and Mamba's B/C projections are output-like matrices inside the stack): μP here "
+                              f"covers mixers {list(MUP_MIXERS)} and FFNs {list(MUP_FFNS)}")
+
+    @property
+    def width_mult(self) -> float:
+        """m = d_model / mup_base_width under μP (layers/layout.py), 1 under SP."""
+        return layout.width_mult("D", self)
 
     # ----- the stack ---------------------------------------------------------------------------------
     @property

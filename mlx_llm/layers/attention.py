@@ -26,7 +26,8 @@ def init(cfg, normal, L: int, dtype) -> dict:
 
 def attention_qkv(x_BTD, layer, cfg, positions_BT):
     """M20 §5: Q_j = X W^Q_j, K_g = X W^K_g, V_g = X W^V_g (+ biases with ``qkv_bias``); with ``qk_norm`` Q and K
-    are RMS-normalised per head over d_h; then RoPE (scaled as ``cfg.rope_scaling`` says) on Q and K only."""
+    are RMS-normalised per head over d_h; then RoPE (scaled as ``cfg.rope_scaling`` says) on Q and K only; under μP
+    Q is then multiplied by ``layout.attention_q_mult`` (the logit scale √d₀/d_h instead of 1/√d_h)."""
     q_BTHK = dense(x_BTD, layer["wq"])
     k_BTGK = dense(x_BTD, layer["wk"])
     v_BTGK = dense(x_BTD, layer["wv"])
@@ -37,6 +38,8 @@ def attention_qkv(x_BTD, layer, cfg, positions_BT):
         q_BTHK = rms_norm(q_BTHK, layer["q_norm"], cfg.norm_eps)
         k_BTGK = rms_norm(k_BTGK, layer["k_norm"], cfg.norm_eps)
     q_BTHK, k_BTGK = rope_for(positions_BT, cfg, q_BTHK, k_BTGK)
+    if cfg.parametrization != "sp":  # μP's logit scale √d₀/d_h through the kernels' 1/√d_h (layout.attention_q_mult)
+        q_BTHK = q_BTHK * jnp.asarray(layout.attention_q_mult(cfg), q_BTHK.dtype)
     return q_BTHK, k_BTGK, v_BTGK
 
 

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from mlx_llm.layers.layout import ParamInfo, present, shape
+from mlx_llm.layers.layout import ParamInfo, mup_init_mult, present, shape
 
 
 def init_array(info: ParamInfo, cfg, normal, dtype, lead: tuple[int, ...] = (), rules=None):
-    """One array of shape ``lead`` + its shape: its draw ``normal(shape, std)`` (if it takes one), then its init.
+    """One array of shape ``lead`` + its shape: its draw ``normal(shape, std)`` (if it takes one; std × μP's
+    ``mup_init_mult``), then its init.
     ``rules`` maps the names of non-built-in inits to ``rule(shape, dtype, draw)``."""
     full = (*lead, *shape(info, cfg))
-    z = normal(full, info.std(cfg)) if info.draws else None
+    z = normal(full, info.std(cfg) * mup_init_mult(info, cfg)) if info.draws else None
     if info.init == "normal":
         return z
     if info.init in ("ones", "zeros"):

@@ -1,4 +1,5 @@
-"""AdamW with global clipping and decay groups (M20 §12), as one optax chain, plus schedules."""
+"""AdamW with global clipping and decay groups (M20 §12), as one optax chain, plus schedules; μP's per-leaf learning-rate
+multipliers (``mup_lr_scales``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import optax
 
 from mlx_llm.config import DECAY_SHAPES, OPTIMIZERS, wsd_decay_steps
 from mlx_llm.errors import ConfigError
-from mlx_llm.train import muon
+from mlx_llm.layers import layout
+from mlx_llm.train import masks, muon
 from mlx_llm.train.masks import ROUTING_STATE_KEYS, decay_mask, exclude_routing_state, strip_routing_state  # noqa: F401
 
 Schedule = Callable[[jax.Array], jax.Array]
@@ -19,14 +21,17 @@ Schedule = Callable[[jax.Array], jax.Array]
 
 def make_optimizer(learning_rate: float | Schedule, *, b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8,
                    weight_decay: float = 0.1, clip_norm: float | None = 1.0, kind: str = "adamw",
-                   spike_factor: float | None = None) -> optax.GradientTransformation:
+                   spike_factor: float | None = None,
+                   lr_scales: Callable[[Any], Any] | None = None) -> optax.GradientTransformation:
     """M20 §12: g̃ = g·min(1, c/‖g‖₂) over all trainable scalars, then AdamW
     θ_s = (1 − η_s λ) θ_{s−1} − η_s m̂_s / (√v̂_s + ε), with λ on the weight matrices only (``decay_mask``).
 
     Routing state (MoE offsets) is not θ: the chain never sees it (``exclude_routing_state``).
     ``clip_norm=None`` disables clipping. ``learning_rate`` is a float or a schedule of the step count.
     ``kind`` "muon": Muon on each layer's matrices and AdamW on the rest after the same clipping
-    (train/muon.py); ``spike_factor`` k: ``skip_spikes`` around the whole chain.
+    (train/muon.py); ``spike_factor`` k: ``skip_spikes`` around the whole chain. ``lr_scales``: a function of
+    the update tree giving each leaf's learning-rate multiplier s (a tree of floats, e.g. ``mup_lr_scales``):
+    every leaf's final update, decay included, is multiplied by its s (``scale_per_leaf``, the chain's last step).
     """
     for name, value, ok in (("b1", b1, 0 <= b1 < 1), ("b2", b2, 0 <= b2 < 1), ("eps", eps, eps > 0),
                             ("weight_decay", weight_decay, weight_decay >= 0)):
@@ -41,8 +46,39 @@ def make_optimizer(learning_rate: float | Schedule, *, b1: float = 0.9, b2: floa
         update = muon.muon_update(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
     else:
         update = optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask)
+    if lr_scales is not None:
+        update = optax.chain(update, scale_per_leaf(lr_scales))
     chain = update if clip_norm is None else optax.chain(optax.clip_by_global_norm(clip_norm), update)
     return exclude_routing_state(chain if spike_factor is None else skip_spikes(chain, spike_factor))
+
+
+def scale_per_leaf(scales: Callable[[Any], Any]) -> optax.GradientTransformation:
+    """u ← s·u leaf by leaf, s = ``scales(updates)`` (a tree of floats shaped like the updates, read from the
+    tree's paths and the layout at trace time, so it costs one multiply per leaf). Stateless."""
+
+    def update(updates, state, params=None):
+        del params
+        return jax.tree.map(lambda u, s: u if s == 1.0 else u * s, updates, scales(updates)), state
+
+    return optax.GradientTransformation(optax.init_empty_state, update)
+
+
+def mup_lr_scales(tree, cfg, kind: str = "adamw"):
+    """The learning-rate multiplier of every leaf of ``tree`` (parameters or their updates) under μP, as a tree of
+    floats: ``layers.layout.mup_lr_mult`` of the leaf's declaration (AdamW: η/m_in on the hidden weights, m_in =
+    fan_in / base fan_in, η on everything else; Muon: the spectral condition's multiplier on the matrices Muon
+    orthogonalises). All 1.0 under SP. A leaf is a model parameter when its own key is declared in the layout;
+    anything else (LoRA factors such as ``blocks/wq/A``) trains at the schedule's η, and the reward and value
+    heads are vectors (η): μP's rules are stated for a model's own weights."""
+    if kind not in OPTIMIZERS:
+        raise ConfigError(f"mup_lr_scales: kind = {kind!r} is invalid: valid optimizers are {list(OPTIMIZERS)}")
+    infos = layout.entries()
+
+    def scale(path, leaf):
+        key = masks.key_name(path[-1]) if path else None
+        return layout.mup_lr_mult(infos[key], cfg, kind) if key in infos else 1.0
+
+    return jax.tree_util.tree_map_with_path(scale, tree)
 
 
 def warmup_cosine(peak: float, warmup_steps: int, total_steps: int, final_fraction: float = 0.1) -> Schedule:

@@ -25,7 +25,7 @@ from mlx_llm.objectives.loss import bits_per_byte, perplexity
 from mlx_llm.model import hidden_states, init_params, logits_from_hidden, nll_from_hidden, resolved
 from mlx_llm.layers.moe import apply_offset_rule
 from mlx_llm.train import watch
-from mlx_llm.train.optim import SpikeState, make_optimizer, warmup_cosine, warmup_stable_decay
+from mlx_llm.train.optim import SpikeState, make_optimizer, mup_lr_scales, warmup_cosine, warmup_stable_decay
 from mlx_llm.train.masks import strip_routing_state
 from mlx_llm.train.parallel import batch_sharding, global_batch, local_rows, replicated, tree_shardings
 
@@ -65,15 +65,21 @@ def schedule_config(tcfg: TrainConfig, schedule_steps: int | None = None) -> Tra
     return dataclasses.replace(tcfg, steps=schedule_steps)
 
 
-def optimizer_for(tcfg: TrainConfig, updates_per_step: int = 1) -> optax.GradientTransformation:
-    """The run's optimizer chain (AdamW or Muon, ``--skip-spikes`` around it); with ``updates_per_step``
-    optimizer updates per training step (PPO's epochs × minibatches), the learning rate follows the schedule of
-    the step, constant within it."""
+def optimizer_for(tcfg: TrainConfig, updates_per_step: int = 1, *,
+                  cfg: ModelConfig | None = None) -> optax.GradientTransformation:
+    """The run's optimizer chain (AdamW or Muon, ``--skip-spikes`` around it) for the model ``cfg`` (None: a
+    standard-parametrization model): under μP with the per-leaf learning-rate multipliers ``optim.mup_lr_scales``; with ``updates_per_step`` optimizer
+    updates per training step (PPO's epochs × minibatches), the learning rate follows the schedule of the step,
+    constant within it."""
     schedule = schedule_for(tcfg)
     if updates_per_step != 1:
         schedule = (lambda base, n: lambda count: base(count // n))(schedule, updates_per_step)
+    lr_scales = None
+    if cfg is not None and cfg.parametrization == "mup":
+        lr_scales = functools.partial(mup_lr_scales, cfg=cfg, kind=tcfg.optimizer)
     return make_optimizer(schedule, b1=tcfg.b1, b2=tcfg.b2, weight_decay=tcfg.weight_decay, clip_norm=tcfg.clip_norm,
-                          kind=tcfg.optimizer, spike_factor=tcfg.spike_factor if tcfg.skip_spikes else None)
+                          kind=tcfg.optimizer, spike_factor=tcfg.spike_factor if tcfg.skip_spikes else None,
+                          lr_scales=lr_scales)
 
 
 def init_state(cfg: ModelConfig, tcfg: TrainConfig, optimizer: optax.GradientTransformation,
@@ -300,7 +306,7 @@ def make_train_step(cfg: ModelConfig, tcfg: TrainConfig, optimizer: optax.Gradie
 
 def abstract_state(cfg: ModelConfig, tcfg: TrainConfig, trainable=None) -> TrainState:
     """Shapes and dtypes of a run's TrainState over ``trainable`` (default: a fresh model); nothing allocated."""
-    return jax.eval_shape(lambda: init_state(cfg, tcfg, optimizer_for(tcfg), trainable))
+    return jax.eval_shape(lambda: init_state(cfg, tcfg, optimizer_for(tcfg, cfg=cfg), trainable))
 
 
 def place_state(state: TrainState, mesh) -> TrainState:
@@ -343,7 +349,7 @@ def compile_lm_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, mask_id: int | No
                     frozen=None, model_of: Callable | None = None):
     """The language-model step of ``tcfg`` compiled on ``mesh`` (``compile_update``): over a fresh model, or
     over ``trainable`` beside ``frozen`` (``model_of``: see ``lm_objective``)."""
-    update = lm_update(cfg, tcfg, optimizer_for(tcfg), mask_id, mesh_platform(mesh), model_of)
+    update = lm_update(cfg, tcfg, optimizer_for(tcfg, cfg=cfg), mask_id, mesh_platform(mesh), model_of)
     return compile_update(update, abstract_state(cfg, tcfg, trainable), frozen, abstract_batch(tcfg), mesh)
 
 
@@ -351,7 +357,7 @@ def compile_lm_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, mask_id: int | No
 def jit_train_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, mask_id: int | None = None) -> Callable:
     """The jitted whole-model step, (state, batch) → (state, metrics) (``jit_update`` of ``lm_update``).
     Cached on the (hashable) configs and mesh, so a repeated call in one process compiles once."""
-    update = lm_update(cfg, tcfg, optimizer_for(tcfg), mask_id, mesh_platform(mesh))
+    update = lm_update(cfg, tcfg, optimizer_for(tcfg, cfg=cfg), mask_id, mesh_platform(mesh))
     jitted = jit_update(update, abstract_state(cfg, tcfg), None, mesh)
     return lambda state, batch: jitted(state, batch, None)
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from mlx_llm import lora as lora_lib
 from mlx_llm.config import ATTENTION_KINDS, ModelConfig
+from mlx_llm.errors import ConfigError
 from mlx_llm.model import check_tokens, embed, layer_list, unembed_matrix
 from mlx_llm.objectives.grads.blocks import (attention_branch_backward, attention_branch_forward, moe_branch_forward,
                                              swiglu_branch_backward, swiglu_branch_forward)
@@ -72,6 +73,9 @@ def value_and_grad_with_head(params, tokens_BT, cfg: ModelConfig, head, *, posit
     """(loss, grads) of ``head`` on the model's final rows: ``head(R, U)`` → (loss, G_R, G_U). The forward keeps
     one tape per layer; the backward runs the module docstring's order. ``grads`` is shaped like ``params``."""
     check_tokens(tokens_BT, cfg)
+    if cfg.parametrization != "sp":
+        raise ConfigError(f"the analytic backward is written for the standard parametrization; this config is "
+                          f"parametrization = {cfg.parametrization!r} (use jax.grad)")
     params, tokens_BT = jax.tree.map(jnp.asarray, params), jnp.asarray(tokens_BT)
     b, t = tokens_BT.shape
     positions_BT = jnp.broadcast_to(jnp.arange(t), (b, t)) if positions_BT is None else jnp.asarray(positions_BT)
