@@ -3,6 +3,7 @@ over a base of 64; μP at its base width is SP exactly; the optimizer chain's pe
 Muon; the coordinate check (flat under μP, growing under SP); --watch-interval's update RMS of real runs (a hidden
 matrix's ¼ at width 256, the embedding's the same); the standard model of a μP one and its HF export."""
 
+import functools
 import json
 import math
 
@@ -16,7 +17,7 @@ from mlx_llm.config import TrainConfig
 from mlx_llm.errors import ConfigError, InputError
 from mlx_llm.layers import layout
 from mlx_llm.scaling import mup
-from mlx_llm.train.optim import mup_lr_scales
+from mlx_llm.train.optim import mup_lr_scales, product_of_scales, scale_leaves
 from mlx_llm.train.step import optimizer_for
 from helpers import cli_in_process, snapshot
 
@@ -98,6 +99,21 @@ def test_the_chain_multiplies_each_leaf(kind):
     assert scales["embed"] == scales["unembed"] == scales["blocks"]["attn_norm"] == 1.0
     jax.tree.map(lambda a, b, s: np.testing.assert_allclose(b, s * a, rtol=1e-6, atol=1e-12), u_sp, u_mu, scales)
     assert mup_lr_scales(params, sp, kind) == jax.tree.map(lambda _: 1.0, params)
+
+
+def test_multiplier_trees_compose_into_one_step():
+    """``product_of_scales``: several multiplier trees (μP's and any other per-leaf rule) multiply leafwise and
+    ``scale_leaves`` applies the product in one step; None entries drop out, none at all gives None."""
+    mu = at(256, **MUP)
+    tree = {"embed": jnp.ones((4, 256)), "blocks": {"wq": jnp.ones((2, 256, 256)), "attn_norm": jnp.ones((2, 256))}}
+    other = lambda t: {"embed": 3.0, "blocks": {"wq": 2.0, "attn_norm": 0.5}}  # noqa: E731
+    mine = functools.partial(mup_lr_scales, cfg=mu)
+    both = product_of_scales(mine, None, other)
+    assert both(tree) == {"embed": 3.0, "blocks": {"wq": pytest.approx(0.5, rel=1e-15), "attn_norm": 0.5}}
+    assert product_of_scales(None, mine) is mine and product_of_scales(None) is None
+    step = scale_leaves(both)
+    out, _ = step.update(tree, step.init(tree))
+    assert [float(x.reshape(-1)[0]) for x in jax.tree.leaves(out)] == [0.5, 0.5, 3.0]
 
 
 def test_lora_factors_and_heads_keep_the_schedules_rate():

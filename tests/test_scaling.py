@@ -289,6 +289,7 @@ def test_load_errors(tmp_path):
         load_chinchilla_runs(bad)
 
 
+@pytest.mark.slow  # the full 4 500-start grid on 240 runs: ~30 s of compile and L-BFGS
 def test_approach3_on_published_runs(runs, published_fit):
     fit = published_fit
     assert fit["converged"] and fit["n_starts"] == 4_500

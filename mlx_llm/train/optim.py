@@ -31,7 +31,8 @@ def make_optimizer(learning_rate: float | Schedule, *, b1: float = 0.9, b2: floa
     ``kind`` "muon": Muon on each layer's matrices and AdamW on the rest after the same clipping
     (train/muon.py); ``spike_factor`` k: ``skip_spikes`` around the whole chain. ``lr_scales``: a function of
     the update tree giving each leaf's learning-rate multiplier s (a tree of floats, e.g. ``mup_lr_scales``):
-    every leaf's final update, decay included, is multiplied by its s (``scale_per_leaf``, the chain's last step).
+    every leaf's final update, decay included, is multiplied by its s (``scale_leaves``, the chain's last step;
+    ``product_of_scales`` makes one function of several).
     """
     for name, value, ok in (("b1", b1, 0 <= b1 < 1), ("b2", b2, 0 <= b2 < 1), ("eps", eps, eps > 0),
                             ("weight_decay", weight_decay, weight_decay >= 0)):
@@ -47,20 +48,40 @@ def make_optimizer(learning_rate: float | Schedule, *, b1: float = 0.9, b2: floa
     else:
         update = optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask)
     if lr_scales is not None:
-        update = optax.chain(update, scale_per_leaf(lr_scales))
+        update = optax.chain(update, scale_leaves(lr_scales))
     chain = update if clip_norm is None else optax.chain(optax.clip_by_global_norm(clip_norm), update)
     return exclude_routing_state(chain if spike_factor is None else skip_spikes(chain, spike_factor))
 
 
-def scale_per_leaf(scales: Callable[[Any], Any]) -> optax.GradientTransformation:
-    """u ← s·u leaf by leaf, s = ``scales(updates)`` (a tree of floats shaped like the updates, read from the
-    tree's paths and the layout at trace time, so it costs one multiply per leaf). Stateless."""
+def scale_leaves(scales: Callable[[Any], Any]) -> optax.GradientTransformation:
+    """u ← s·u leaf by leaf, s = ``scales(updates)`` (a tree of numbers shaped like the updates, read from the
+    tree's paths and the layout at trace time, so it costs one multiply per leaf). At the end of a chain, after
+    the learning rate, it is a per-leaf learning rate: the leaf's decoupled decay scales with it, as AdamW's does
+    with η. Stateless."""
 
     def update(updates, state, params=None):
         del params
-        return jax.tree.map(lambda u, s: u if s == 1.0 else u * s, updates, scales(updates)), state
+        return jax.tree.map(lambda u, s: u if s == 1.0 else u * jnp.asarray(s, u.dtype), updates,
+                            scales(updates)), state
 
     return optax.GradientTransformation(optax.init_empty_state, update)
+
+
+def product_of_scales(*scales: Callable[[Any], Any] | None) -> Callable[[Any], Any] | None:
+    """One multiplier-tree function from several (each a function of the updates tree giving a tree of numbers,
+    e.g. ``mup_lr_scales``; None entries are skipped): each leaf's multipliers multiplied together, so one
+    ``scale_leaves`` step applies them all. None when no function is given."""
+    given = [f for f in scales if f is not None]
+    if not given:
+        return None
+    if len(given) == 1:
+        return given[0]
+
+    def product(tree):
+        trees = [f(tree) for f in given]
+        return jax.tree.map(lambda *s: math.prod(s), *trees)
+
+    return product
 
 
 def mup_lr_scales(tree, cfg, kind: str = "adamw"):

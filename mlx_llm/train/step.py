@@ -25,7 +25,8 @@ from mlx_llm.objectives.loss import bits_per_byte, perplexity
 from mlx_llm.model import hidden_states, init_params, logits_from_hidden, nll_from_hidden, resolved
 from mlx_llm.layers.moe import apply_offset_rule
 from mlx_llm.train import watch
-from mlx_llm.train.optim import SpikeState, make_optimizer, mup_lr_scales, warmup_cosine, warmup_stable_decay
+from mlx_llm.train.optim import (SpikeState, make_optimizer, mup_lr_scales, product_of_scales, warmup_cosine,
+                                 warmup_stable_decay)
 from mlx_llm.train.masks import strip_routing_state
 from mlx_llm.train.parallel import batch_sharding, global_batch, local_rows, replicated, tree_shardings
 
@@ -68,18 +69,19 @@ def schedule_config(tcfg: TrainConfig, schedule_steps: int | None = None) -> Tra
 def optimizer_for(tcfg: TrainConfig, updates_per_step: int = 1, *,
                   cfg: ModelConfig | None = None) -> optax.GradientTransformation:
     """The run's optimizer chain (AdamW or Muon, ``--skip-spikes`` around it) for the model ``cfg`` (None: a
-    standard-parametrization model): under μP with the per-leaf learning-rate multipliers ``optim.mup_lr_scales``; with ``updates_per_step`` optimizer
-    updates per training step (PPO's epochs × minibatches), the learning rate follows the schedule of the step,
+    standard-parametrization model): under μP with the per-leaf learning-rate multipliers ``optim.mup_lr_scales``
+    (every multiplier tree of the run in one ``optim.scale_leaves`` step, ``optim.product_of_scales``); with
+    ``updates_per_step`` optimizer updates per training step (PPO's epochs × minibatches), the learning rate follows the schedule of the step,
     constant within it."""
     schedule = schedule_for(tcfg)
     if updates_per_step != 1:
         schedule = (lambda base, n: lambda count: base(count // n))(schedule, updates_per_step)
-    lr_scales = None
+    multipliers = []  # per-leaf learning-rate multiplier trees, multiplied leafwise into one scale_leaves step
     if cfg is not None and cfg.parametrization == "mup":
-        lr_scales = functools.partial(mup_lr_scales, cfg=cfg, kind=tcfg.optimizer)
+        multipliers.append(functools.partial(mup_lr_scales, cfg=cfg, kind=tcfg.optimizer))
     return make_optimizer(schedule, b1=tcfg.b1, b2=tcfg.b2, weight_decay=tcfg.weight_decay, clip_norm=tcfg.clip_norm,
                           kind=tcfg.optimizer, spike_factor=tcfg.spike_factor if tcfg.skip_spikes else None,
-                          lr_scales=lr_scales)
+                          lr_scales=product_of_scales(*multipliers))
 
 
 def init_state(cfg: ModelConfig, tcfg: TrainConfig, optimizer: optax.GradientTransformation,
