@@ -265,3 +265,22 @@ def test_hf_export_of_a_mup_run_gives_our_logits(watched, tmp_path):
     ours = np.asarray(forward(params, ids, run.cfg))
     assert np.abs(ours - theirs).max() <= 1e-4 * max(1.0, float(np.abs(ours).max()))
     assert math.isclose(float(np.abs(ours).max()), float(np.abs(theirs).max()), rel_tol=1e-4)
+
+
+def test_committed_learning_rate_transfer():
+    """experiments/results/mup_transfer.json: its analysis is what ``analyse`` gives on its own rows, and it says
+    what docs/scaling-laws.md says: under SP the best rate falls with width (the per-seed slopes' interval below
+    −1 log₂η per doubling), under μP its interval holds 0, and the two differ (Welch p < 0.01)."""
+    import importlib
+    from pathlib import Path
+
+    transfer = importlib.import_module("experiments.mup_transfer")
+    saved = json.loads((Path(__file__).parents[1] / "experiments" / "results" / "mup_transfer.json").read_text())
+    settings, rows = saved["settings"], saved["rows"]
+    assert len(rows) == 2 * len(settings["widths"]) * len(settings["lrs"]) * settings["seeds"] == 168
+    again = json.loads(json.dumps(transfer.analyse(rows, settings["widths"], settings["lrs"], settings["seeds"])))
+    assert again == saved["result"]
+    sp, mu = saved["result"]["sp"]["shift_summary"], saved["result"]["mup"]["shift_summary"]
+    assert sp["ci95"][1] < -1.0 and mu["ci95"][0] < 0.0 < mu["ci95"][1]
+    assert saved["result"]["sp_minus_mup"]["p_value"] < 0.01
+    assert not any(w["at_edge"] for p in ("sp", "mup") for w in saved["result"][p]["per_width"].values())
