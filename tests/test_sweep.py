@@ -277,7 +277,8 @@ def test_quick_sweep_fits_and_plots(quick_out):
     held = fit["held_out"]
     assert held["budget"] == pytest.approx(max(sweep_mod.QUICK.budgets))
     h3 = held["approach3"]
-    assert h3["n_runs"] == 10 and h3["runs"]["loss"] == [r["loss"] for r in rows if r["budget_index"] == 2]
+    assert (h3["n_fitted"], h3["n_runs"]) == (10, 5)
+    assert h3["runs"]["loss"] == [r["loss"] for r in rows if r["budget_index"] == 2]
     assert len(h3["runs"]["ci"]) == 5 and h3["bootstrap"] == 108
     law = [h3["E"] + h3["A"] / n ** h3["alpha"] + h3["B"] / d ** h3["beta"]
            for n, d in zip(h3["runs"]["N"], h3["runs"]["D"])]
@@ -343,6 +344,7 @@ def test_committed_fits_match_the_csv():
     assert held["budget"] == pytest.approx(max(budgets), rel=1e-12)
     h3 = held["approach3"]
     top = runs["budget"] == runs["budget"].max()
+    assert (h3["n_fitted"], h3["n_runs"]) == (int((~top).sum()), int(top.sum()))
     np.testing.assert_allclose(h3["runs"]["loss"], runs["loss"][top])
     law = h3["E"] + h3["A"] / runs["N"][top] ** h3["alpha"] + h3["B"] / runs["D"][top] ** h3["beta"]
     np.testing.assert_allclose(h3["runs"]["predicted"], law, rtol=1e-12)

@@ -105,11 +105,13 @@ def fit_sweep(table, *, bootstrap: int = 200, grid=None, seed: int = 0, holdout:
 
 def held_out(runs: dict, budgets, *, bootstrap: int, grid=None, seed: int = 0) -> dict:
     """Both approaches fitted on every budget but the largest and scored on it: ``approach3`` (the law refitted
-    on the smaller budgets, its fitted constants, and ``predict_held_out``'s predictions) and ``approach2``
+    on the smaller budgets, its fitted constants, ``n_fitted`` the runs it was fitted on, and ``predict_held_out``'s
+    predictions, ``n_runs`` the held-out runs) and ``approach2``
     (``isoflop_fit``'s held-out mode; its ``error`` when fewer than two smaller budgets show a valley)."""
     fit = fit_chinchilla(runs["N"], runs["D"], runs["loss"], bootstrap=bootstrap, seed=seed, grid=grid,
                          polish_top=3 if grid is None else 1, holdout=runs["budget"])
-    a3 = {k: fit[k] for k in ("E", "A", "B", "alpha", "beta", "n_runs", "converged")} | fit["held_out"]
+    a3 = {k: fit[k] for k in ("E", "A", "B", "alpha", "beta", "converged")} | {"n_fitted": fit["n_runs"]} \
+        | fit["held_out"]
     try:
         a2 = isoflop_by_budget(runs, budgets, holdout=True, bootstrap=bootstrap, seed=seed)["held_out"]
     except MLXLLMError as exc:
