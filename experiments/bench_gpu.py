@@ -81,7 +81,7 @@ def main() -> None:
                        loss_chunk=args.loss_chunk if args.loss_chunk == "auto" else int(args.loss_chunk))
     mesh = make_mesh("", jax.devices()[:1])
     print(f"kernels: {tcfg.kernels(resolve=True)}")
-    state = place_state(init_state(cfg, tcfg, optimizer_for(tcfg)), mesh)
+    state = place_state(init_state(cfg, tcfg, optimizer_for(tcfg, cfg=cfg)), mesh)
     r = measure_mfu(jit_train_step(cfg, tcfg, mesh), state, random_batch(V, args.batch, T, mesh), cfg, tcfg,
                     peak_n=n, rounds=args.rounds)
     step_s, B = r["median_step_seconds"], args.batch

@@ -63,7 +63,7 @@ def compiled(cfg, tcfg, params, data, objective):
 def old_loop(cfg, tcfg, params, data, update, out: Path) -> float:
     """The replaced loop: one host sync and one metrics line per step. Returns steps/s (every step timed)."""
     mesh = make_mesh(tcfg.mesh)
-    state = place_state(init_state(cfg, tcfg, optimizer_for(tcfg), jax.tree.map(jnp.copy, params)), mesh)
+    state = place_state(init_state(cfg, tcfg, optimizer_for(tcfg, cfg=cfg), jax.tree.map(jnp.copy, params)), mesh)
     frozen = shard_tree({"reference": params}, mesh)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()

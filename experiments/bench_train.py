@@ -58,7 +58,7 @@ def main() -> None:
     tcfg = TrainConfig(batch_size=args.batch, seq_len=args.seq_len, steps=10_000, warmup_steps=10,
                        compute_dtype=args.dtype, remat=args.remat, mesh=args.mesh)
     mesh = make_mesh(tcfg.mesh)
-    state = place_state(init_state(cfg, tcfg, optimizer_for(tcfg)), mesh)
+    state = place_state(init_state(cfg, tcfg, optimizer_for(tcfg, cfg=cfg)), mesh)
     step = jit_train_step(cfg, tcfg, mesh)
     hf = None if args.no_hf else torch_step(state.params, cfg, args)
     rng = np.random.default_rng(0)

@@ -190,8 +190,8 @@ def sft_seconds_per_step(base_run, tcfg, task: str, lora_cfg=None, rounds: int =
     trainable = params if lora_cfg is None else lora_lib.init(params, lora_cfg, jax.random.key(0))
     frozen = None if lora_cfg is None else jax.device_put(params, replicated(mesh))
     model_of = None if lora_cfg is None else lora_lib.model_of(lora_cfg)
-    state = jax.device_put(init_state(cfg, tcfg, optimizer_for(tcfg), trainable), replicated(mesh))
-    step = jit_update(lm_update(cfg, tcfg, optimizer_for(tcfg), model_of=model_of), state, frozen, mesh)
+    state = jax.device_put(init_state(cfg, tcfg, optimizer_for(tcfg, cfg=cfg), trainable), replicated(mesh))
+    step = jit_update(lm_update(cfg, tcfg, optimizer_for(tcfg, cfg=cfg), model_of=model_of), state, frozen, mesh)
     batch = device_batch(data.train_batch(0, batch_size=tcfg.batch_size, seq_len=tcfg.seq_len, seed=0), mesh)
     return time_steps(carry(step, state, batch, frozen), warmup=1, rounds=rounds)
 

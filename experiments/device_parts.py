@@ -143,7 +143,7 @@ def measure_training(cfg: ModelConfig, tcfg: TrainConfig, n: int, rounds: int, e
         raise RuntimeError(f"XLA refused the step: {report['refused']}")
     mesh, devices = make_mesh(tcfg.mesh, jax.devices()), jax.device_count()
     # one jitted program that writes the state where the step wants it: no op-by-op init, no second copy
-    state = jax.jit(lambda: init_state(cfg, tcfg, optimizer_for(tcfg)),
+    state = jax.jit(lambda: init_state(cfg, tcfg, optimizer_for(tcfg, cfg=cfg)),
                     out_shardings=tree_shardings(abstract_state(cfg, tcfg), mesh))()
     batch = bench_gpu.random_batch(cfg.vocab_size, tcfg.batch_size, tcfg.seq_len, mesh)
     step = lambda s, b: compiled(s, b, None)  # noqa: E731

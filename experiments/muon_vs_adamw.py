@@ -51,7 +51,7 @@ def interleaved_step_times(base, lrs, rounds: int, run_dir: Path, cache_dir=None
     steps = {}
     for optimizer in ("adamw", "muon"):
         tcfg = dataclasses.replace(base, optimizer=optimizer, lr=lrs[optimizer])
-        state = place_state(init_state(cfg, tcfg, optimizer_for(tcfg)), mesh)
+        state = place_state(init_state(cfg, tcfg, optimizer_for(tcfg, cfg=cfg)), mesh)
         steps[optimizer] = common.carry(jit_train_step(cfg, tcfg, mesh, tok.mask_id), state, batch)
     times = common.time_interleaved(steps, warmup=2, rounds=rounds)
     return {"seconds": times, "muon_vs_adamw": times["muon"] / times["adamw"], "rounds": rounds}

@@ -25,6 +25,7 @@ ROUTERS = ("sigmoid", "softmax")
 OBJECTIVES = ("ar", "diffusion")  # TrainConfig.objective
 MESH_AXES = ("data", "fsdp", "tensor")  # TrainConfig.mesh (train/parallel.py)
 REMAT_POLICIES = ("none", "full", "dots")  # TrainConfig.remat (model.run_stack)
+MUP_MIXERS, MUP_FFNS = ("attn", "local"), ("swiglu", "none")  # the layer kinds μP's rules cover (layers/layout.py)
 _NEEDS = {"attn": ("n_heads", "n_kv_heads", "d_head"), "local": ("n_heads", "n_kv_heads", "d_head", "sliding_window"),
           "mamba": (), "swiglu": ("d_ff",), "geglu": ("d_ff",), "relu2": ("d_ff",),
           "moe": ("n_experts", "moe_top_k", "moe_d_ff"), "none": ()}
@@ -138,6 +139,13 @@ class ModelConfig(JsonConfig):
     updates (``model.training_window``; modded-nanogpt's window warmup); inference always uses W.
     ``mtp_depth`` D: D multi-token-prediction modules (DeepSeek-V3, model.mtp_hidden) trained beside the model,
     predicting tokens t+2 … t+D+1 through the shared embedding and output head; generation never uses them.
+    ``parametrization`` "sp" (standard) or "mup" (the maximal-update parametrization of Yang et al. 2022, "Tensor
+    Programs V", relative to a base model of width ``mup_base_width``: every rule is the identity at d_model =
+    mup_base_width, so hyperparameters tuned there transfer to wider models). Its rules come from the layout
+    (layers/layout.py): the output multiplier 1/m on the logits (m = d_model / mup_base_width), the unembedding's
+    initial σ of the base width, the attention logit scale √d₀/d_h (d₀ = ``mup_base_head_width``; 1/d_h when
+    unset) and per-parameter learning-rate multipliers in the optimizer (``train.optim.mup_lr_scales``). Attention
+    and SwiGLU layers only.
     """
 
     vocab_size: int
@@ -196,6 +204,9 @@ class ModelConfig(JsonConfig):
     window_warmup_steps: int = 0
     window_warmup_start: int | None = None
     mtp_depth: int = 0
+    parametrization: str = "sp"
+    mup_base_width: int | None = None
+    mup_base_head_width: int | None = None
 
     def __post_init__(self) -> None:
         for name in _POSITIVE_INTS:
@@ -230,6 +241,7 @@ class ModelConfig(JsonConfig):
         if "mamba" in self.mixer_pattern:
             self._check_mamba()
         self._check_knobs()
+        self._check_parametrization()
 
     def _check_patterns(self) -> None:
         for name, kinds in (("mixer_pattern", MIXER_KINDS), ("ffn_pattern", FFN_KINDS)):
@@ -358,6 +370,40 @@ class ModelConfig(JsonConfig):
         if self.mtp_depth and not self.causal:
             raise ConfigError("ModelConfig.mtp_depth predicts later tokens from earlier ones: a bidirectional model "
                               "(causal = false) has no next-token head to extend")
+
+    def _check_parametrization(self) -> None:
+        if self.parametrization not in layout.PARAMETRIZATIONS:
+            raise ConfigError(f"ModelConfig.parametrization = {self.parametrization!r} is invalid: valid values are "
+                              f"{list(layout.PARAMETRIZATIONS)}")
+        given = [f"{name} = {getattr(self, name)!r}" for name in ("mup_base_width", "mup_base_head_width")
+                 if getattr(self, name) is not None]
+        if self.parametrization == "sp":
+            if given:
+                raise ConfigError(f"ModelConfig: {', '.join(given)} set(s) the μP base model, but parametrization = "
+                                  f"'sp': give parametrization = 'mup', or drop them")
+            return
+        if self.mup_base_width is None:
+            raise ConfigError("ModelConfig.mup_base_width is not set: parametrization = 'mup' scales every rule by "
+                              "d_model / mup_base_width (a positive integer: the width the hyperparameters were tuned at)")
+        _require_int(self, "mup_base_width", minimum=1)
+        if self.mup_base_head_width is not None:
+            _require_int(self, "mup_base_head_width", minimum=1)
+        knobs = [f"{name} = {getattr(self, name)!r}" for name in ("value_embeds", "unet_skips", "mtp_depth",
+                                                                   "score_dim", "embed_scale")
+                 if getattr(self, name) not in (None, False, 0)]
+        if knobs:
+            raise ConfigError(f"ModelConfig.parametrization = 'mup' has no rules for {', '.join(knobs)} (parameters "
+                              f"or scales outside the standard stack): turn them off, or use parametrization = 'sp'")
+        bad = sorted((set(self.mixer_pattern) - set(MUP_MIXERS)) | (set(self.ffn_pattern) - set(MUP_FFNS)))
+        if bad:
+            raise ConfigError(f"ModelConfig.parametrization = 'mup' has no rules for layer kind(s) {bad} (a router "
+                              f"and Mamba's B/C projections are output-like matrices inside the stack): μP here "
+                              f"covers mixers {list(MUP_MIXERS)} and FFNs {list(MUP_FFNS)}")
+
+    @property
+    def width_mult(self) -> float:
+        """m = d_model / mup_base_width under μP (layers/layout.py), 1 under SP."""
+        return layout.width_mult("D", self)
 
     # ----- the stack ---------------------------------------------------------------------------------
     @property

@@ -16,6 +16,8 @@ Initialisers (``init_params``), chosen for a pre-norm residual stack:
   initialisation does not grow with depth.
 - ``unembed`` ~ N(0, 1/d): unit-scale initial logits, i.e. a near-uniform first prediction (loss ≈ ln V).
 - Normalisation gains = 1 (M20 §4), so each RMSNorm starts as a pure rescaling.
+- Under μP (``cfg.parametrization`` "mup"), output weights take the base width's σ (``layout.mup_init_mult``):
+  ``unembed`` N(0, 1/d_base), a tied table N(0, 1/d_base); everything else as above.
 Every array's shape and initialiser is declared once, in ``mlx_llm.layers.layout``; ``init_params`` splits the
 key into the draws the declarations take and each kind's ``init`` builds its arrays from them. Arrays that only
 the knobs add (value embeddings, the MTP modules' projections) draw from a second stream, ``fold_in(key,
@@ -120,8 +122,13 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32) -> Params:
 
 
 def unembed_matrix(params: Params, cfg: ModelConfig) -> jax.Array:
-    """U of M20 §8; with tied embeddings U = Eᵀ (one parameter in two roles, not two copies)."""
-    return params["embed"].T if cfg.tie_embeddings else params["unembed"]
+    """U of M20 §8; with tied embeddings U = Eᵀ (one parameter in two roles, not two copies). Under μP, α·U with
+    the output multiplier α = 1/m (``layers.layout.output_mult``), so every path to the logits (whole, chunked,
+    decoding) has it."""
+    u = params["embed"].T if cfg.tie_embeddings else params["unembed"]
+    if cfg.parametrization == "sp":
+        return u
+    return u * jnp.asarray(layout.output_mult(cfg), u.dtype)
 
 
 def check_tokens(tokens_BT, cfg: ModelConfig, name: str = "tokens") -> None:

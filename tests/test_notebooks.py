@@ -48,17 +48,27 @@ def test_running_example_notebook(monkeypatch):
     assert "12 scalars, 48 bytes" in text
 
 
+@pytest.fixture(scope="module")
+def sweep_dir(tmp_path_factory):
+    """The notebook's sweep directory, shared by its two executions (the second trains nothing)."""
+    return str(tmp_path_factory.mktemp("notebook-sweep") / "sweep")
+
+
 @pytest.mark.slow
-def test_scaling_laws_notebook(monkeypatch):
-    text = printed(execute("scaling_laws.ipynb", monkeypatch))
+def test_scaling_laws_notebook(monkeypatch, sweep_dir):
+    text = printed(execute("scaling_laws.ipynb", monkeypatch, MLX_LLM_NB_SWEEP_DIR=sweep_dir))
     assert "L = 1.9933" in text and "L = 1.9366" in text and "L = 1.9300" in text
     if "are not on this machine" not in text:
         assert "240 runs, 16 starts" in text and "converged: True" in text
+    assert "9 runs in " in text and "run again: trained nothing" in text
+    assert "held out: budget 9e+08 FLOPs, law refitted on the 6 runs below it" in text
+    assert text.count("predicted") >= 3  # the three held-out runs, each with its interval
 
 
 @pytest.mark.slow
-def test_scaling_laws_notebook_without_the_published_runs(monkeypatch, tmp_path):
-    text = printed(execute("scaling_laws.ipynb", monkeypatch, MLX_LLM_RUNS_CSV=str(tmp_path / "absent.csv")))
+def test_scaling_laws_notebook_without_the_published_runs(monkeypatch, tmp_path, sweep_dir):
+    text = printed(execute("scaling_laws.ipynb", monkeypatch, MLX_LLM_RUNS_CSV=str(tmp_path / "absent.csv"),
+                           MLX_LLM_NB_SWEEP_DIR=sweep_dir))
     assert "are not on this machine" in text
     assert "L = 1.9300" in text  # everything that does not need the runs still runs and checks
 

@@ -14,7 +14,7 @@ from mlx_llm.scaling.accounting import training_flops
 from mlx_llm.errors import DataError, InputError
 from mlx_llm.scaling.laws import (CHINCHILLA, ChinchillaParams, chinchilla_loss, chinchilla_objective,
                                   compute_optimal, fit_chinchilla, fixed_ratio_split, huber, isoflop_fit,
-                                  load_chinchilla_runs, loss_at_budget, optimal_exponents)
+                                  load_chinchilla_runs, loss_at_budget, optimal_exponents, predict_held_out)
 
 RUNS_CSV = Path(__file__).parents[2] / "shared" / "data" / "chinchilla_svg_extracted_data.csv"
 # The nine IsoFLOP budgets of Hoffmann et al. (2022), Figure 3.
@@ -181,6 +181,85 @@ def test_isoflop_skips_budgets_without_a_valley():
         isoflop_fit(N[:15], D[:15], chinchilla_loss(N[:15], D[:15], TRUE))
 
 
+# ----- held out: fit the smaller budgets, predict the largest ------------------------------------------------
+
+HELD_BUDGETS = [1e18, 3e18, 1e19, 3e19, 1e20]
+
+
+def held_out_runs(noise: float = 0.0, seed: int = 0):
+    N, D = isoflop_runs(HELD_BUDGETS, per_budget=9)
+    L = chinchilla_loss(N, D, TRUE) * np.exp(noise * np.random.default_rng(seed).standard_normal(N.size))
+    return N, D, L, np.repeat(HELD_BUDGETS, 9)
+
+
+@pytest.mark.slow
+def test_held_out_law_predicts_exact_runs():
+    """Runs on the law: refitted on the four smaller budgets it is the law again, so it predicts the held-out runs
+    to round-off and their compute-optimal N to the search grid's step (its N* and L* are the closed form's)."""
+    N, D, L, C = held_out_runs()
+    fit = fit_chinchilla(N, D, L, grid=SMALL_GRID, holdout=C)
+    held = fit["held_out"]
+    assert fit["n_runs"] == 36 and held["n_runs"] == 9 and held["budget"] == 1e20 and held["bootstrap"] == 0
+    assert held["loss_error"]["max_abs"] < 1e-12
+    opt = held["compute_optimal"]
+    n_true, d_true = compute_optimal(1e20, TRUE)
+    assert opt["N_predicted"] == pytest.approx(n_true, rel=3e-3)  # grid step: ln(36·16)/2000 = 0.32 %
+    assert opt["loss_predicted"] == pytest.approx(chinchilla_loss(n_true, d_true, TRUE), rel=1e-7)
+    assert not opt["at_edge"] and opt["N_ratio"] == pytest.approx(opt["N_predicted"] / opt["N_measured"])
+    assert opt["loss_error"] == pytest.approx(opt["loss_predicted"] - opt["loss_measured"])
+    assert 0 < opt["loss_error"] < 2e-3  # a parabola through runs 36× apart in N: its vertex is 1.4e-3 above the law
+
+
+@pytest.mark.slow
+def test_held_out_intervals_from_the_bootstrap():
+    """With noise (σ = 0.3 % of the loss) and 16 replicates: every prediction has an interval around it, built
+    from the replicates' own predictions (recomputed here from ``samples``)."""
+    N, D, L, C = held_out_runs(noise=0.003, seed=3)
+    fit = fit_chinchilla(N, D, L, grid=SMALL_GRID, holdout=C, bootstrap=16, seed=4)
+    held, opt = fit["held_out"], fit["held_out"]["compute_optimal"]
+    assert held["bootstrap"] == 16 and len(held["runs"]["ci"]) == 9
+    s = fit["samples"]
+    top = C == 1e20
+    per_rep = s["E"][:, None] + s["A"][:, None] / N[top] ** s["alpha"][:, None] + s["B"][:, None] / D[top] ** s["beta"][:, None]
+    np.testing.assert_allclose(held["runs"]["ci"], np.percentile(per_rep, [2.5, 97.5], axis=0).T, rtol=1e-12)
+    assert opt["N_ci"][0] <= opt["N_predicted"] <= opt["N_ci"][1]
+    assert opt["loss_ci"][0] <= opt["loss_predicted"] <= opt["loss_ci"][1]
+    assert opt["N_covered"] == (opt["N_ci"][0] <= opt["N_measured"] <= opt["N_ci"][1])
+    assert held["loss_error"]["mean_abs"] < 0.02
+
+
+def test_held_out_refusals():
+    N, D, L, C = held_out_runs()
+    with pytest.raises(InputError, match="needs at least two budgets"):
+        fit_chinchilla(N, D, L, grid=SMALL_GRID, holdout=np.full(N.size, 1e19))
+    with pytest.raises(InputError, match="one budget per run: got 5 budgets for 45 runs"):
+        fit_chinchilla(N, D, L, grid=SMALL_GRID, holdout=C[:5])
+    with pytest.raises(InputError, match="below the held-out one"):
+        isoflop_fit(N[C >= 3e19], D[C >= 3e19], L[C >= 3e19], holdout=True)
+    one = predict_held_out({**TRUE._asdict()}, N[:1], D[:1], L[:1], 1e18)
+    assert one["compute_optimal"] is None and one["loss_error"]["max_abs"] < 1e-12
+
+
+def test_isoflop_held_out():
+    """Approach 2 without the largest budget: N_opt = k·C^a and log L_opt linear in log C through the four
+    vertices, evaluated at 1e20 (recomputed here), against the held-out parabola's vertex; the bootstrap resamples
+    the runs within each fitted budget."""
+    N, D, L, C = held_out_runs(noise=0.003, seed=5)
+    iso = isoflop_fit(N, D, L, budgets=HELD_BUDGETS, holdout=True, bootstrap=40, seed=6)
+    held = iso["held_out"]
+    np.testing.assert_allclose(iso["C"], HELD_BUDGETS[:4], rtol=1e-12)
+    a, k = np.polyfit(np.log(iso["C"]), np.log(iso["N_opt"]), 1)
+    g, kl = np.polyfit(np.log(iso["C"]), np.log(iso["loss_opt"]), 1)
+    assert held["N_predicted"] == pytest.approx(math.exp(k + a * math.log(1e20)), rel=1e-10)
+    assert held["loss_predicted"] == pytest.approx(math.exp(kl + g * math.log(1e20)), rel=1e-10)
+    assert held["N_predicted"] == pytest.approx(compute_optimal(1e20, TRUE)[0], rel=0.1)
+    assert held["N_ratio"] == pytest.approx(held["N_predicted"] / held["N_measured"])
+    assert held["bootstrap"] == 40 and held["replicates_dropped"] >= 0
+    assert held["N_ci"][0] < held["N_predicted"] < held["N_ci"][1]
+    whole = isoflop_fit(N, D, L, budgets=HELD_BUDGETS)
+    assert "held_out" not in whole and len(whole["C"]) == 5
+
+
 # ----- the published runs (Besiroglu et al. 2024, from Hoffmann et al. Figure 4) -------------------------
 
 @pytest.fixture(scope="module")
@@ -210,7 +289,7 @@ def test_load_errors(tmp_path):
         load_chinchilla_runs(bad)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # the full 4 500-start grid on 240 runs: ~30 s of compile and L-BFGS
 def test_approach3_on_published_runs(runs, published_fit):
     fit = published_fit
     assert fit["converged"] and fit["n_starts"] == 4_500

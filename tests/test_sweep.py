@@ -1,118 +1,260 @@
-"""The CPU scaling-law sweep (experiments/scaling_sweep.py, U19 §8): its grid design, and one ``--quick`` run end
-to end in a subprocess (training 15 tiny models, both fits, the plots), then a rerun that must train nothing."""
+"""The scaling sweep as a library call (mlx_llm.runs.sweep: SweepSpec, run_sweep; mlx_llm.scaling.sweep: its fits)
+and its command line (experiments/scaling_sweep.py, U19 §8): the grids' design without training; a small sweep
+whose points are ordinary runs, run twice (the second trains nothing), killed in the middle and finished, and
+refused under another spec by field name; one ``--quick`` sweep end to end with its fits (held out too) and plots;
+the committed results of the full sweep."""
 
-import csv
 import dataclasses
 import importlib
 import json
 import math
+import os
+import signal
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from mlx_llm.errors import ConfigError
-from mlx_llm.scaling.accounting import train_flops_per_token
+from mlx_llm.config import ModelConfig, TrainConfig
+from mlx_llm.data import text as text_lib
+from mlx_llm.errors import ConfigError, InputError
+from mlx_llm.runs.configs import DataSpec
+from mlx_llm.runs.sweep import (COLUMNS, TIMING, SweepSpec, points, read_table, run_sweep, training_compute)
+from mlx_llm.scaling.accounting import steps_for_flops, train_flops_per_token
 from mlx_llm.scaling.laws import isoflop_fit
-from mlx_llm.data import tokenizer as tok_lib
-from helpers import python
+from mlx_llm.scaling.sweep import fit_sweep, flops_ratio, isoflop_by_budget, runs_of
+from helpers import python, snapshot
 
 REPO = Path(__file__).resolve().parents[1]
-REQUIRED = ("name", "budget", "d_model", "n_layers", "N", "N_total", "D", "C", "steps", "batch_size", "seq_len", "loss",
-            "val_bpb", "wall_seconds")
 PLOTS = ("loss_vs_compute.png", "isoflop.png", "fitted_surface.png")
 PARAMS = ("E", "A", "B", "alpha", "beta")
-
-
 sweep_mod = importlib.import_module("experiments.scaling_sweep")  # the repository root is on sys.path (python -m)
 
+# Two one-layer sizes × two budgets on the stdlib's json package (a 320-token BPE): 7 and 4 steps at 1e8 FLOPs,
+# 21 and 13 at 3e8.
+SMALL = SweepSpec(
+    model=ModelConfig(vocab_size=320, d_model=16, n_layers=1, n_heads=1, n_kv_heads=1, d_head=16, d_ff=48,
+                      max_seq_len=32),
+    sizes=({"d_model": 16, "d_ff": 48}, {"d_model": 24, "d_ff": 64}), budgets=(1e8, 3e8),
+    train=TrainConfig(batch_size=8, seq_len=32, lr=4e-3, warmup_steps=100, eval_tokens=256, log_interval=50,
+                      checkpoint_interval=10, keep_checkpoints=1),
+    data=DataSpec(path=str(text_lib.stdlib_root() / "json"), vocab_size=320))
+SMALL_NAMES = ["C0-d16-L1-s0", "C0-d24-L1-s0", "C1-d16-L1-s0", "C1-d24-L1-s0"]
 
-# ----- the grid, without training ------------------------------------------------------------------------------
-@pytest.mark.parametrize("setting", [sweep_mod.FULL, sweep_mod.QUICK], ids=["full", "quick"])
-def test_grid_is_isoflop_shaped(setting):
-    """≥ 3 budgets spanning 30×, each with ≥ 5 distinct sizes whose exact C = F·D is half a step from it."""
-    points = sweep_mod.grid(setting, setting.vocab_size)
-    budgets = setting.budgets()
-    assert len(budgets) >= 3 and budgets[-1] / budgets[0] == pytest.approx(30.0, rel=1e-12)
-    for budget in budgets:
-        group = [p for p in points if p["budget"] == budget]
-        sizes = {p["cfg"].param_count() for p in group}
-        assert len(group) >= 5 and len(sizes) == len(group)
+
+def _untimed(table) -> list[dict]:
+    rows = table.to_dict("records") if hasattr(table, "to_dict") else table
+    return [{k: v for k, v in r.items() if k not in (*TIMING, "run")} for r in rows]
+
+
+# ----- specs and grids, without training --------------------------------------------------------------------------
+def test_small_grid_is_sized_by_the_library():
+    pts = points(SMALL, 320)
+    assert [p.name for p in pts] == SMALL_NAMES
+    for p in pts:
+        assert p.tcfg.steps == steps_for_flops(p.cfg, 32, 8, p.budget)
+        assert p.tcfg.warmup_steps == min(100, max(2, p.tcfg.steps // 10), p.tcfg.steps)
+        assert p.tcfg.eval_interval == p.tcfg.steps and p.tcfg.checkpoint_interval == min(10, p.tcfg.steps)
+        assert abs(training_compute(p.cfg, p.tcfg) / p.budget - 1) <= 0.5 / p.tcfg.steps + 1e-12
+    assert [p.tcfg.steps for p in pts] == [7, 4, 21, 13]
+    lrs = dataclasses.replace(SMALL, lrs=(1e-2, 5e-3), seeds=(3, 4), windows=((1,), (0, 1)), batch_sizes=(4, 16))
+    pts = points(lrs, 320)
+    assert [(p.name, p.tcfg.lr, p.tcfg.seed, p.tcfg.batch_size) for p in pts] == [
+        ("C0-d24-L1-s3", 5e-3, 3, 4), ("C0-d24-L1-s4", 5e-3, 4, 4), ("C1-d16-L1-s3", 1e-2, 3, 16),
+        ("C1-d16-L1-s4", 1e-2, 4, 16), ("C1-d24-L1-s3", 5e-3, 3, 16), ("C1-d24-L1-s4", 5e-3, 4, 16)]
+    ratio = points(dataclasses.replace(SMALL, budgets=(), tokens_per_param=(20.0,)), 320)
+    assert [p.name for p in ratio] == ["R0-d16-L1-s0", "R0-d24-L1-s0"]
+    assert ratio[0].tcfg.steps == round(20 * ratio[0].cfg.param_count() / 256)
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"budgets": ()}, "exactly one of budgets"),
+    ({"tokens_per_param": (20.0,)}, "exactly one of budgets"),
+    ({"budgets": (1e8, -1.0)}, "budgets = \\[100000000.0, -1.0\\] is invalid"),
+    ({"windows": ((0, 1),)}, "windows has 1 entries: give one per budget \\(2\\)"),
+    ({"windows": ((0, 2), (1,))}, "windows\\[0\\] = \\[0, 2\\] is invalid"),
+    ({"lrs": (1e-3,)}, "lrs has 1 entries: give one per size \\(2\\)"),
+    ({"seeds": (1, 1)}, "seeds = \\[1, 1\\] is invalid"),
+    ({"sizes": ({"d_modle": 16},)}, "unknown ModelConfig field\\(s\\) \\['d_modle'\\]"),
+    ({"sizes": ({"n_kv_heads": 2},)}, "n_heads = 1 is not divisible by n_kv_heads = 2"),
+    ({"param_count": "some"}, "param_count = 'some' is invalid"),
+])
+def test_bad_specs_are_refused(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        dataclasses.replace(SMALL, **fields)
+
+
+def test_spec_round_trips_through_json():
+    full = sweep_mod.FULL
+    assert SweepSpec.from_dict(json.loads(json.dumps(full.to_dict()))) == full
+
+
+@pytest.mark.parametrize("grid", [sweep_mod.FULL, sweep_mod.QUICK], ids=["full", "quick"])
+def test_experiment_grids_are_isoflop_shaped(grid):
+    """≥ 3 budgets spanning 30×, each with ≥ 5 distinct sizes whose exact C = F·D is half a step from it; μP with
+    the smallest model as its base and one learning rate."""
+    pts = points(grid, grid.data.vocab_size)
+    assert len(grid.budgets) >= 3 and grid.budgets[-1] / grid.budgets[0] == pytest.approx(30.0, rel=1e-12)
+    for k, budget in enumerate(grid.budgets):
+        group = [p for p in pts if p.budget_index == k]
+        assert len(group) >= 5 and len({p.cfg.param_count() for p in group}) == len(group)
         for p in group:
-            C = sweep_mod.training_compute(p["cfg"], p["tcfg"])
-            assert C == train_flops_per_token(p["cfg"], setting.seq_len) * p["tcfg"].steps * p["tcfg"].batch_size \
-                * p["tcfg"].seq_len
-            # Whole steps: within half a step of the budget (≤ 1.1% for the full grid's ≥ 45-step runs).
-            assert abs(C / budget - 1) <= 0.5 / p["tcfg"].steps + 1e-12
-            if setting is sweep_mod.FULL:
-                assert p["tcfg"].steps >= 45
-    names = [p["name"] for p in points]
-    assert len(set(names)) == len(names) >= 15
+            assert abs(training_compute(p.cfg, p.tcfg) / budget - 1) <= 0.5 / p.tcfg.steps + 1e-12
+            assert p.cfg.parametrization == "mup" and p.cfg.mup_base_width == grid.sizes[0]["d_model"]
+            assert p.tcfg.lr == grid.train.lr
+            if grid is sweep_mod.FULL:
+                assert p.tcfg.steps >= 45
+    assert len({p.name for p in pts}) == len(pts) >= 15
 
 
-def test_learning_rate_rule():
-    assert sweep_mod.peak_lr(64) == pytest.approx(4e-3)
-    assert sweep_mod.peak_lr(16) == pytest.approx(8e-3)
-    assert sweep_mod.peak_lr(256) == pytest.approx(2e-3)
-    assert [sweep_mod.warmup(s) for s in (2, 30, 500, 5000)] == [2, 3, 50, 100]
-
-
-def test_budgets_in_exact_flops_keep_the_steps():
-    """Restated in exact FLOPs (module docstring), the default grids take about as many steps as when C was
-    6·N_total·D (base budgets 3.5e10 and 6e8): within 1%, each run within −8% to +20% (quick: −7% to +2%)."""
-    for setting, old_base, total, lo, hi in ((sweep_mod.FULL, 3.5e10, 18072, 0.92, 1.20),
-                                             (sweep_mod.QUICK, 6e8, 3411, 0.92, 1.03)):
-        old = dataclasses.replace(setting, base_budget=old_base).budgets()
-        points = sweep_mod.grid(setting, setting.vocab_size)
-        budget_index = {b: k for k, b in enumerate(setting.budgets())}
-        old_steps = np.array([max(2, round(old[budget_index[p["budget"]]] / (6.0 * p["cfg"].param_count())
-                                           / (p["tcfg"].batch_size * p["tcfg"].seq_len))) for p in points])
-        new_steps = np.array([p["tcfg"].steps for p in points])
-        assert old_steps.sum() == total and abs(new_steps.sum() / total - 1) < 0.01
-        assert lo <= (new_steps / old_steps).min() and (new_steps / old_steps).max() <= hi
+def test_one_full_point_by_hand():
+    """C0-d8-L1-s0 of the full grid: d = 8, one layer, one head of 16, d_ff 32, V = 512, T = 128, 4 sequences.
+    N_mm = 4·8·16 + 3·8·32 + 8·512 = 5 376; F = 6·5 376 + 12·128·16 = 56 832 FLOPs a token;
+    steps = 3.3e10 / (56 832 · 4 · 128) = 1 134.1 → 1 134."""
+    point = next(p for p in points(sweep_mod.FULL, 512) if p.name == "C0-d8-L1-s0")
+    cfg = point.cfg
+    assert (cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.d_head, cfg.d_ff, cfg.vocab_size) == (8, 1, 1, 16, 32, 512)
+    assert train_flops_per_token(cfg, 128) == 6 * 5376 + 12 * 128 * 16 == 56832
+    assert point.budget == 3.3e10 and point.tcfg.steps == 1134 and point.tcfg.warmup_steps == 100
 
 
 def test_isoflop_groups_runs_by_their_budget():
     """Approach 2 puts each run in its own budget's group, though 6·N_total·D of the d16-L1 runs lies more than
     0.1 decade below their exact C (F/(6·N_total) = 0.79), where ``isoflop_fit`` on the raw D drops them."""
-    setting = sweep_mod.FULL
-    points = sweep_mod.grid(setting, setting.vocab_size)
-    N = np.array([float(p["cfg"].param_count()) for p in points])
-    D = np.array([float(p["tcfg"].steps * p["tcfg"].batch_size * p["tcfg"].seq_len) for p in points])
-    C = np.array([float(f"{sweep_mod.training_compute(p['cfg'], p['tcfg']):.6g}") for p in points])
-    budget = np.array([float(f"{p['budget']:.6g}") for p in points])
+    pts = points(sweep_mod.FULL, 512)
+    N = np.array([float(p.cfg.param_count()) for p in pts])
+    D = np.array([float(p.tcfg.steps * p.tcfg.batch_size * p.tcfg.seq_len) for p in pts])
+    C = np.array([training_compute(p.cfg, p.tcfg) for p in pts])
+    budget = np.array([p.budget for p in pts])
     vertex = {b: np.log(N[budget == b]).mean() for b in set(budget.tolist())}  # a valley inside every budget
     loss = 3.0 + 0.1 * (np.log(N) - np.array([vertex[b] for b in budget])) ** 2
     runs = {"N": N, "D": D, "C": C, "loss": loss, "budget": budget}
-    iso = sweep_mod.isoflop_by_budget(runs, setting.budgets())
+    iso = isoflop_by_budget(runs, sweep_mod.FULL.budgets)
     assert iso["skipped_budgets"] == [] and len(iso["N_opt"]) == 4
-    np.testing.assert_allclose(np.log(iso["N_opt"]), [vertex[float(f"{b:.6g}")] for b in setting.budgets()],
-                               rtol=1e-9)
-    ratio = sweep_mod.flops_ratio(runs)
+    np.testing.assert_allclose(np.log(iso["N_opt"]), [vertex[b] for b in sweep_mod.FULL.budgets], rtol=1e-9)
+    ratio = flops_ratio(runs)
     np.testing.assert_allclose(iso["D_opt"], np.array(iso["C"]) / (6 * np.array(iso["N_opt"])
                                                                    * ratio(np.array(iso["N_opt"]))))
-    raw = isoflop_fit(N, D, loss, budgets=setting.budgets())
-    assert raw["n_runs"].sum() < len(points)  # grouped by 6·N·D, some runs fall outside every budget
+    raw = isoflop_fit(N, D, loss, budgets=sweep_mod.FULL.budgets)
+    assert raw["n_runs"].sum() < len(pts)  # grouped by 6·N·D, some runs fall outside every budget
 
 
-# ----- one quick sweep end to end ------------------------------------------------------------------------------
+def test_fit_sweep_refuses_what_it_cannot_fit():
+    with pytest.raises(InputError, match="no rows"):
+        fit_sweep([])
+    with pytest.raises(InputError, match="lacks column\\(s\\) \\['D'"):
+        fit_sweep([{"name": "x", "N_total": 1, "C": 1, "loss": 1, "budget": 1}])
+
+
+def test_unknown_runner_and_missing_ray_write_nothing(monkeypatch, tmp_path):
+    with pytest.raises(ConfigError, match="runner = 'slurm' is invalid"):
+        run_sweep(SMALL, tmp_path / "a", runner="slurm")
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    with pytest.raises(ConfigError, match="pip install 'mlx_llm\\[sweep\\]'"):
+        run_sweep(SMALL, tmp_path / "a", runner="ray")
+    assert not (tmp_path / "a").exists()
+
+
+# ----- a small sweep, run in fresh interpreters (as a notebook or the command runs it; this process has x64 on) -----
+SWEEP = ("import json, sys; from pathlib import Path; from mlx_llm.runs.sweep import SweepSpec, run_sweep; "
+         "run_sweep(SweepSpec.from_dict(json.loads(sys.argv[3])), Path(sys.argv[1]), cache_dir=Path(sys.argv[2]))")
+
+
+def _sweep_in_subprocess(out: Path, cache: Path):
+    proc = python("-c", SWEEP, out, cache, json.dumps(SMALL.to_dict()))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sweep")
+    proc = _sweep_in_subprocess(root / "a", root / "cache")
+    return root, proc.stdout
+
+
+@pytest.mark.slow
+def test_points_are_ordinary_runs(small):
+    from mlx_llm.eval.compare import metric_of
+    from mlx_llm.eval.val import evaluate_run
+    from mlx_llm.runs.record import open_run
+
+    root, stdout = small
+    rows = read_table(root / "a" / "sweep.csv")
+    assert [r["name"] for r in rows] == SMALL_NAMES and list(rows[0]) == list(COLUMNS)
+    assert sum(f"[{i}/4] " in stdout for i in range(1, 5)) == 4
+    for r, p in zip(rows, points(SMALL, 320)):
+        run = open_run(r["run"])
+        assert run.kind == "pretrain" and run.cfg == p.cfg and run.tcfg == p.tcfg
+        assert metric_of(run, "val_loss") == pytest.approx(r["loss"], rel=1e-12)  # what compare reads
+        assert r["D"] == p.tcfg.steps * 8 * 32 and r["C"] == training_compute(p.cfg, p.tcfg)
+        assert math.isfinite(r["loss"]) and r["wall_seconds"] > 0
+    for size in ("d16", "d24"):  # each size learned more with the larger budget
+        assert next(r["loss"] for r in rows if r["name"] == f"C1-{size}-L1-s0") < \
+            next(r["loss"] for r in rows if r["name"] == f"C0-{size}-L1-s0")
+    ratio = np.array([r["loss"] / r["val_bpb"] for r in rows])  # the same val windows for every run
+    np.testing.assert_allclose(ratio, ratio[0], rtol=2e-5)
+    step, result = evaluate_run(rows[0]["run"], cache_dir=root / "cache")  # mlx-llm eval's path
+    assert step == 7 and math.isfinite(result.loss)
+
+
+@pytest.mark.slow
+def test_second_run_trains_nothing(small):
+    root, _ = small
+    before, lines = snapshot(root / "a"), []
+    table = run_sweep(SMALL, root / "a", cache_dir=root / "cache", log=lines.append)
+    assert snapshot(root / "a") == before
+    assert sum("in sweep.csv, skipped" in line for line in lines) == 4 and not any("N = " in x for x in lines)
+    assert _untimed(table) == _untimed(read_table(root / "a" / "sweep.csv"))
+
+
+@pytest.mark.slow
+def test_another_spec_is_refused_by_name_and_writes_nothing(small):
+    root, _ = small
+    before = snapshot(root / "a")
+    other = dataclasses.replace(SMALL, train=dataclasses.replace(SMALL.train, lr=1e-3), budgets=(1e8, 1e9))
+    with pytest.raises(ConfigError, match="another spec: budgets, train.lr differ"):
+        run_sweep(other, root / "a", cache_dir=root / "cache")
+    assert snapshot(root / "a") == before
+    (root / "b").mkdir()
+    (root / "b" / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="is not empty and holds no sweep.json"):
+        run_sweep(SMALL, root / "b")
+    assert snapshot(root / "b") == {"notes.txt": snapshot(root / "b")["notes.txt"]}
+
+
+@pytest.mark.slow
+def test_a_killed_sweep_finishes_the_rest(small):
+    """A sweep killed (SIGKILL) once its first row is written, then run again: the finished point is not touched,
+    the rest are trained (a half-trained one resumed from its checkpoint), and the table equals the uninterrupted
+    sweep's, losses bit for bit."""
+    root, _ = small
+    out = root / "killed"
+    proc = python("-c", SWEEP, out, root / "cache", json.dumps(SMALL.to_dict()), popen=True, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while len(read_table(out / "sweep.csv")) < 1 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done = read_table(out / "sweep.csv")
+    assert 1 <= len(done) < 4, "the sweep was not stopped in the middle"
+    first = snapshot(out / "runs" / done[0]["name"])
+    rerun = _sweep_in_subprocess(out, root / "cache")
+    assert f"{done[0]['name']}: in sweep.csv, skipped" in rerun.stdout
+    assert snapshot(out / "runs" / done[0]["name"]) == first
+    assert _untimed(read_table(out / "sweep.csv")) == _untimed(read_table(root / "a" / "sweep.csv"))
+
+
+# ----- one quick sweep by the command, end to end --------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def quick_out(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sweep")
-    # the suite's fast-compile XLA flags (conftest.py): the quick sweep is compile-bound (15 train steps, 5 evals)
-    command = ["-m", "experiments.scaling_sweep", "--quick", "--out", out / "sweep", "--cache-dir", out / "cache"]
-    proc = python(*command, timeout=900)
+    out = tmp_path_factory.mktemp("quick")
+    proc = python("-m", "experiments.scaling_sweep", "--quick", "--out", out / "sweep", "--cache-dir", out / "cache",
+                  timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out
-
-
-def _rows(out):
-    return _read_csv(out / "sweep" / "sweep.csv")
-
-
-def _read_csv(path):
-    with path.open(newline="") as fh:
-        return list(csv.DictReader(fh))
+    return out / "sweep", proc.stdout
 
 
 def _huber_objective(params, N, D, L, delta=1e-3):
@@ -122,144 +264,94 @@ def _huber_objective(params, N, D, L, delta=1e-3):
 
 
 @pytest.mark.slow
-def test_csv_rows(quick_out):
-    rows = _rows(quick_out)
-    assert len(rows) >= 15 and set(REQUIRED) <= set(rows[0])
-    num = {k: np.array([float(r[k]) for r in rows]) for k in REQUIRED if k != "name"}
-    assert all(np.all(np.isfinite(v)) for v in num.values())
-    assert np.all(num["N"] > 0) and np.all(num["N"] < num["N_total"]) and np.all(num["wall_seconds"] > 0)
-    np.testing.assert_array_equal(num["D"], num["steps"] * num["batch_size"] * num["seq_len"])
-    # C is the exact training compute: the grid point's FLOPs a token (the library's count) times D.
-    vocab = tok_lib.load(quick_out / "sweep" / tok_lib.TOKENIZER_FILE).vocab_size
-    points = {p["name"]: p for p in sweep_mod.grid(sweep_mod.QUICK, vocab)}
-    flops = np.array([train_flops_per_token(points[r["name"]]["cfg"], int(r["seq_len"])) for r in rows])
-    np.testing.assert_allclose(num["C"], flops * num["D"], rtol=1e-5)
-    np.testing.assert_array_equal(num["steps"], [points[r["name"]]["tcfg"].steps for r in rows])
-    assert num["budget"].max() / num["budget"].min() == pytest.approx(30.0, rel=1e-5)
-    assert np.all(np.abs(num["C"] / num["budget"] - 1) <= 0.5 / num["steps"] + 1e-5)
-    # Losses are below the uniform guess ln V (each run learned something) and above zero.
-    assert np.all(num["loss"] > 0) and np.all(num["loss"] < math.log(sweep_mod.QUICK.vocab_size))
-    # Every run is scored on the same val windows, so loss / bits-per-byte = ln 2 · bytes / targets is one number.
-    ratio = num["loss"] / num["val_bpb"]
-    np.testing.assert_allclose(ratio, ratio[0], rtol=2e-5)
-
-
-@pytest.mark.slow
-def test_fit_json(quick_out):
-    fit = json.loads((quick_out / "sweep" / "fit.json").read_text())
+def test_quick_sweep_fits_and_plots(quick_out):
+    out, stdout = quick_out
+    rows = read_table(out / "sweep.csv")
+    assert len(rows) == 15 and {r["name"] for r in rows} == {p.name for p in points(sweep_mod.QUICK, 320)}
+    fit = json.loads((out / "fit.json").read_text())
     a3 = fit["approach3"]
-    values = [a3[k] for k in PARAMS]
-    assert all(math.isfinite(v) and v >= 0 for v in values) and a3["A"] > 0 and a3["B"] > 0
-    assert a3["N_opt_exponent"] == pytest.approx(a3["beta"] / (a3["alpha"] + a3["beta"]), rel=1e-12)
+    assert all(math.isfinite(a3[k]) and a3[k] >= 0 for k in PARAMS) and a3["n_runs"] == 15
     assert a3["N_opt_exponent"] + a3["D_opt_exponent"] == pytest.approx(1.0, abs=1e-12)
-    for k in PARAMS:
-        lo, hi = a3["ci95"][k]
-        assert lo <= hi
-    # The stored objective is Hoffmann's Huber loss of the stored parameters on the CSV's runs.
-    rows = _rows(quick_out)
-    N, D, L = (np.array([float(r[k]) for r in rows]) for k in ("N_total", "D", "loss"))
-    assert _huber_objective(a3, N, D, L) == pytest.approx(a3["objective"], rel=1e-6, abs=1e-12)
-    a2 = fit["approach2"]
-    assert "N_opt_exponent" in a2 and "D_opt_exponent" in a2
-    if a2["N_opt_exponent"] is not None:  # D_opt: the tokens N_opt reads at exact C, so a + b = 1 only if F ∝ N
-        runs = sweep_mod.load_sweep(quick_out / "sweep" / "sweep.csv")
-        N_opt, C_opt = np.array(a2["N_opt"]), np.array(a2["C"])
-        np.testing.assert_allclose(a2["D_opt"], C_opt / (6 * N_opt * sweep_mod.flops_ratio(runs)(N_opt)), rtol=1e-9)
-        assert a2["D_opt_exponent"] == pytest.approx(np.polyfit(np.log(C_opt), np.log(a2["D_opt"]), 1)[0])
-    else:
-        assert "budgets" in a2["error"]
-
-
-@pytest.mark.slow
-def test_plots(quick_out):
+    runs = runs_of(rows)
+    assert _huber_objective(a3, runs["N"], runs["D"], runs["loss"]) == pytest.approx(a3["objective"], rel=1e-6)
+    held = fit["held_out"]
+    assert held["budget"] == pytest.approx(max(sweep_mod.QUICK.budgets))
+    h3 = held["approach3"]
+    assert (h3["n_fitted"], h3["n_runs"]) == (10, 5)
+    assert h3["runs"]["loss"] == [r["loss"] for r in rows if r["budget_index"] == 2]
+    assert len(h3["runs"]["ci"]) == 5 and h3["bootstrap"] == 108
+    law = [h3["E"] + h3["A"] / n ** h3["alpha"] + h3["B"] / d ** h3["beta"]
+           for n, d in zip(h3["runs"]["N"], h3["runs"]["D"])]
+    np.testing.assert_allclose(h3["runs"]["predicted"], law, rtol=1e-12)
+    assert "N_predicted" in (h3["compute_optimal"] or {"N_predicted": 0}) and "approach2" in held
+    assert "held out: " in stdout
     for name in PLOTS:
-        data = (quick_out / "sweep" / name).read_bytes()
+        data = (out / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
 
 
 @pytest.mark.slow
-def test_rerun_trains_nothing(quick_out):
-    before = (quick_out / "sweep" / "sweep.csv").read_text()
-    lines = []
-    sweep_mod.sweep(quick_out / "sweep", sweep_mod.QUICK, quick_out / "cache", log=lines.append)
-    assert (quick_out / "sweep" / "sweep.csv").read_text() == before
-    assert sum("already in sweep.csv, skipped" in line for line in lines) == len(_rows(quick_out)) >= 15
+def test_quick_rerun_trains_nothing(quick_out):
+    out, _ = quick_out
+    before, lines = snapshot(out / "runs"), []
+    run_sweep(sweep_mod.QUICK, out, cache_dir=out.parent / "cache", log=lines.append)
+    assert snapshot(out / "runs") == before and sum("skipped" in x for x in lines) == 15
 
 
-@pytest.mark.slow
-def test_other_grid_refused(quick_out):
-    with pytest.raises(ConfigError, match="another grid"):
-        sweep_mod.sweep(quick_out / "sweep", sweep_mod.FULL, quick_out / "cache")
-
-
-# ----- the committed results of one full default sweep -----------------------------------------------------------
+# ----- the committed results of one full sweep -------------------------------------------------------------------------
 RESULTS = REPO / "experiments" / "results"
 
 
-def _committed_setting():
-    """The grid of the committed sweep (its setting.json) and whether it counts C as exact FLOPs: that sweep ran
-    before the exact accounting, with C = 6·N_total·D and budgets from 3.5e10, until it is rerun."""
-    saved = json.loads((RESULTS / "setting.json").read_text())
-    exact = saved.get("flops") == "train_flops_per_token"
-    fields = {k: v for k, v in json.loads(json.dumps(dataclasses.asdict(sweep_mod.FULL))).items()
-              if k not in ("base_budget", "flops")}
-    assert {k: saved.get(k) for k in fields} == fields  # the default grid, but perhaps its base budget
-    return dataclasses.replace(sweep_mod.FULL, base_budget=saved["base_budget"]), exact
-
-
-def test_committed_sweep_csv():
-    rows = _read_csv(RESULTS / "sweep.csv")
-    assert len(rows) >= 15 and set(REQUIRED) <= set(rows[0])
-    num = {k: np.array([float(r[k]) for r in rows]) for k in REQUIRED if k != "name"}
-    assert all(np.all(np.isfinite(v)) for v in num.values())
-    np.testing.assert_array_equal(num["D"], num["steps"] * num["batch_size"] * num["seq_len"])
-    setting, exact = _committed_setting()
-    budgets = setting.budgets()
-    expected = {p["name"]: p for p in sweep_mod.grid(setting, setting.vocab_size)}
-    assert {r["name"] for r in rows} == set(expected)  # exactly the default grid
+def test_committed_sweep_is_the_full_grids_first_points():
+    """sweep.json is the full grid's spec; sweep.csv holds the points that run reached, in grid order (the local
+    runner trains them one after another; docs/scaling-laws.md says where it stopped and why), at least three
+    budgets' worth for the held-out mode, each row sized as the grid sizes it."""
+    assert SweepSpec.from_dict(json.loads((RESULTS / "sweep.json").read_text())) == sweep_mod.FULL
+    rows = read_table(RESULTS / "sweep.csv")
+    grid = points(sweep_mod.FULL, 512)
+    assert [r["name"] for r in rows] == [p.name for p in grid[:len(rows)]] and len(rows) >= 14
+    assert len({r["budget"] for r in rows}) >= 3
+    expected = {p.name: p for p in grid}
     for r in rows:
         p = expected[r["name"]]
-        n_total, tokens_per_step = p["cfg"].param_count(), p["tcfg"].batch_size * p["tcfg"].seq_len
-        if exact:  # sized and counted as the grid does now
-            steps, C = p["tcfg"].steps, sweep_mod.training_compute(p["cfg"], p["tcfg"])
-        else:  # the old sizing: D = C_k / (6·N_total) in whole steps (at least 2), C = 6·N_total·D
-            steps = max(2, round(p["budget"] / (6.0 * n_total) / tokens_per_step))
-            C = 6.0 * n_total * steps * tokens_per_step
-        assert (int(r["N_total"]), int(r["steps"])) == (n_total, steps)
-        assert float(r["C"]) == pytest.approx(C, rel=1e-5)
-        assert float(r["budget"]) == pytest.approx(p["budget"], rel=1e-5)
-    for budget in budgets:  # every budget of the grid has a valley inside its sizes
-        pick = np.isclose(num["budget"], budget, rtol=1e-5)
-        losses = num["loss"][pick][np.argsort(num["N_total"][pick])]
-        assert pick.sum() >= 5 and losses.argmin() not in (0, len(losses) - 1)
+        assert (r["N_total"], r["steps"], r["lr"]) == (p.cfg.param_count(), p.tcfg.steps, sweep_mod.LR)
+        assert r["C"] == pytest.approx(training_compute(p.cfg, p.tcfg), rel=1e-12)
+        assert math.isfinite(r["loss"]) and 0 < r["loss"] < math.log(512)
 
 
 def test_committed_fits_match_the_csv():
-    """fit.json is what the two approaches give on sweep.csv: Approach 2 recomputed exactly (by the sweep's grouping
-    by budget too); Approach 3's stored objective is the Huber loss at its parameters, and no 1% move of one
-    parameter lowers it."""
+    """fit.json is what the two approaches give on sweep.csv: Approach 2 (and its held-out mode) recomputed exactly;
+    Approach 3's stored objective is the Huber loss at its parameters, and no 1% move of one parameter lowers it;
+    the held-out predictions are the held-out law's on the largest budget's runs."""
     fit = json.loads((RESULTS / "fit.json").read_text())
-    rows = _read_csv(RESULTS / "sweep.csv")
-    N, D, L = (np.array([float(r[k]) for r in rows]) for k in ("N_total", "D", "loss"))
-    budgets = _committed_setting()[0].budgets()
+    table = read_table(RESULTS / "sweep.csv")
+    runs = runs_of(table)
+    budgets = sorted(set(runs["budget"].tolist()))
+    iso = isoflop_by_budget(runs, budgets)
     a2 = fit["approach2"]
-    iso = sweep_mod.isoflop_by_budget(sweep_mod.load_sweep(RESULTS / "sweep.csv"), budgets)
-    if not _committed_setting()[1]:  # C = 6·N_total·D: grouping by 6ND and by budget are one grouping
-        raw = isoflop_fit(N, D, L, budgets=budgets)
-        assert raw["a"] == pytest.approx(a2["N_opt_exponent"], rel=1e-9)
     assert iso["N_opt_exponent"] == pytest.approx(a2["N_opt_exponent"], rel=1e-9)
     np.testing.assert_allclose(iso["N_opt"], a2["N_opt"], rtol=1e-9)
-    assert 0.3 < a2["N_opt_exponent"] < 0.7  # Hoffmann et al. report 0.49 for their Approach 2
     a3 = fit["approach3"]
-    best = _huber_objective(a3, N, D, L)
+    best = _huber_objective(a3, runs["N"], runs["D"], runs["loss"])
     assert best == pytest.approx(a3["objective"], rel=1e-6)
     for k in PARAMS:
         for step in (0.99, 1.01):
-            assert _huber_objective({**a3, k: a3[k] * step}, N, D, L) > best
-    assert a3["converged"] and a3["n_starts"] == 4500
-    for k in PARAMS:
+            assert _huber_objective({**a3, k: a3[k] * step}, runs["N"], runs["D"], runs["loss"]) > best
         lo, hi = a3["ci95"][k]
         assert lo <= a3[k] <= hi
+    assert a3["converged"] and a3["n_starts"] == 4500
+    held = fit["held_out"]
+    assert held["budget"] == pytest.approx(max(budgets), rel=1e-12)
+    h3 = held["approach3"]
+    top = runs["budget"] == runs["budget"].max()
+    assert (h3["n_fitted"], h3["n_runs"]) == (int((~top).sum()), int(top.sum()))
+    np.testing.assert_allclose(h3["runs"]["loss"], runs["loss"][top])
+    law = h3["E"] + h3["A"] / runs["N"][top] ** h3["alpha"] + h3["B"] / runs["D"][top] ** h3["beta"]
+    np.testing.assert_allclose(h3["runs"]["predicted"], law, rtol=1e-12)
+    if "error" not in held["approach2"]:
+        again = isoflop_by_budget(runs, budgets, holdout=True, bootstrap=0)["held_out"]
+        for k in ("N_predicted", "loss_predicted", "N_measured", "loss_measured"):
+            assert held["approach2"].get(k) == pytest.approx(again.get(k), rel=1e-9), k
 
 
 def test_committed_plots():

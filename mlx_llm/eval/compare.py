@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 from mlx_llm import stats
 from mlx_llm.errors import ConfigError

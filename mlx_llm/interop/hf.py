@@ -30,6 +30,7 @@ from mlx_llm.runs.configs import DataSpec
 from mlx_llm.runs.rundir import check_new_dir, new_dir
 from mlx_llm.runs.load import checkpoint_step, load_params, write_checkpoint_run
 from mlx_llm.runs.record import RunRecord, open_run
+from mlx_llm.scaling import mup
 from mlx_llm.data import tokenizer as tok_lib
 from mlx_llm.settings import JsonProblem, file_inside, read_json
 
@@ -73,10 +74,13 @@ def export_model(params: dict, cfg: ModelConfig, tok: tok_lib.Tokenizer, out_dir
                  provenance: dict | None = None, log=None) -> Path:
     """Write the transformers checkpoint directory of ``params`` (our layout, DESIGN §1) with ``tok``.
     Everything is checked before anything is written; ``provenance`` goes into config.json's "mlx_llm" block.
-    MTP modules are dropped, with a line to ``log`` (``without_mtp``)."""
+    MTP modules are dropped, with a line to ``log`` (``without_mtp``). A μP model is written as the standard
+    model that computes the same logits (``scaling.mup.to_standard``: the output multiplier in ``lm_head``, the
+    attention scale in W^Q; untied), so importing it back gives that standard model, not the μP parameters."""
     from safetensors.numpy import save_file
 
     params, cfg = without_mtp(params, cfg, log)
+    params, cfg = mup.to_standard(params, cfg)  # μP: the multipliers folded into the weights (a standard model)
     arch = hf_config.architecture(cfg)
     if arch in hf_config.MOE_ARCHS:
         check_offsets(params, cfg, hf_config.CLASSES[arch])
@@ -120,7 +124,7 @@ def export_run(run_dir, out_dir, *, step: int | None = None, log=None) -> Path:
         raise ConfigError(f"cannot export {run.path}: it is a masked-diffusion denoiser (objective "
                           f"{tcfg.objective!r}, causal = {cfg.causal}); transformers' causal-LM classes predict "
                           f"the next token from earlier ones only")
-    hf_config.architecture(dataclasses.replace(cfg, mtp_depth=0))  # refuse before restoring anything
+    hf_config.architecture(mup.standard_config(dataclasses.replace(cfg, mtp_depth=0)))  # refuse before restoring
     check_new_dir(Path(out_dir), "export directory")
     tok = hf_tokenizer.run_tokenizer(run.path, run.record.template)  # with the run's chat template
     if tok.external:

@@ -37,7 +37,8 @@ def attention_qkv(x_BTD, layer, cfg, positions_BT, tokens_BT=None, *, local: boo
     """M20 §5: Q_j = X W^Q_j, K_g = X W^K_g, V_g = X W^V_g (+ biases with ``qkv_bias``; + λ·E^v[x] with
     ``value_embeds``, which needs ``tokens_BT``); with ``qk_norm`` Q and K are RMS-normalised per head over d_h;
     then RoPE (scaled as ``cfg.rope_scaling`` says, or plain at ``rope_local_base`` for a ``local`` layer) on Q and
-    K only; with ``score_dim`` s, Q̃ × √(d_h/s)."""
+    K only; with ``score_dim`` s, Q̃ × √(d_h/s); under μP Q̃ × ``layout.attention_q_mult`` (the logit scale √d₀/d_h
+    instead of 1/√d_h)."""
     q_BTHK = dense(x_BTD, layer["wq"])
     k_BTGK = dense(x_BTD, layer["wk"])
     v_BTGK = dense(x_BTD, layer["wv"])
@@ -53,6 +54,8 @@ def attention_qkv(x_BTD, layer, cfg, positions_BT, tokens_BT=None, *, local: boo
     q_BTHK, k_BTGK = rope_for(positions_BT, cfg, q_BTHK, k_BTGK, local=local)
     if cfg.score_dim is not None and cfg.score_dim != cfg.d_head:
         q_BTHK = q_BTHK * jnp.asarray(math.sqrt(cfg.d_head / cfg.score_dim), q_BTHK.dtype)
+    if cfg.parametrization != "sp":  # μP's logit scale √d₀/d_h through the kernels' 1/√d_h (layout.attention_q_mult)
+        q_BTHK = q_BTHK * jnp.asarray(layout.attention_q_mult(cfg), q_BTHK.dtype)
     return q_BTHK, k_BTGK, v_BTGK
 
 

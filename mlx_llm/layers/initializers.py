@@ -5,25 +5,27 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from mlx_llm.layers.layout import ParamInfo, present, shape
+from mlx_llm.layers.layout import ParamInfo, mup_init_mult, present, shape
 
 
 HALF = {"half": lambda full, dtype, draw: jnp.full(full, 0.5, dtype)}  # a gate that starts at 1/2
 
 
 def init_array(info: ParamInfo, cfg, normal, dtype, lead: tuple[int, ...] = (), rules=None):
-    """One array of shape ``lead`` + its shape: its draw ``normal(shape, std)`` (if it takes one), then its init;
-    zeros where ``info.zero_if(cfg)`` holds (after the draw, so the key stream is unchanged). ``normal`` is the
-    main stream's, or a pair (main, extra) whose second serves the ``extra`` arrays (the knobs' second stream).
-    ``rules`` maps the names of non-built-in inits to ``rule(shape, dtype, draw)``."""
+    """One array of shape ``lead`` + its shape: its draw ``normal(shape, std)`` (if it takes one; std × μP's
+    ``mup_init_mult``), then its init; zeros where ``info.zero_if(cfg)`` holds (after the draw, so the key stream
+    is unchanged). ``normal`` is the main stream's, or a pair (main, extra) whose second serves the ``extra``
+    arrays (the knobs' second stream). ``rules`` maps the names of non-built-in inits to
+    ``rule(shape, dtype, draw)``."""
     full = (*lead, *shape(info, cfg))
     main, extra = normal if isinstance(normal, tuple) else (normal, None)
+    std = info.std(cfg) * mup_init_mult(info, cfg)
     if info.extra:
         if extra is None:
             raise ValueError("this array draws from the knobs' second key stream: pass normal as (main, extra)")
-        z = extra(full, info.std(cfg))
+        z = extra(full, std)
     else:
-        z = main(full, info.std(cfg)) if info.draws else None
+        z = main(full, std) if info.draws else None
     if info.zero_if is not None and info.zero_if(cfg):
         return jnp.zeros(full, dtype)
     if info.init == "normal":

@@ -124,8 +124,11 @@ def unit_std(cfg) -> float:
 
 
 def embed_std(cfg) -> float:
-    """E ~ N(0, 1) untied; N(0, 1/d) tied, where E is also the output projection (unit-scale logits)."""
-    return 1.0 / math.sqrt(cfg.d_model) if cfg.tie_embeddings else 1.0
+    """E ~ N(0, 1) untied; N(0, 1/d) tied, where E is also the output projection (unit-scale logits). Under μP
+    the tied table is an output weight of the base width: N(0, 1/d_base) (``mup_init_mult``'s rule)."""
+    if not cfg.tie_embeddings:
+        return 1.0
+    return 1.0 / math.sqrt(cfg.d_model / width_mult("D", cfg))
 
 
 def untied(cfg) -> bool:
@@ -353,3 +356,102 @@ def tensor_axes() -> dict[str, int]:
 def lora_targets() -> dict[str, int]:
     """LoRA target key → its number of input axes, for every weight LoRA may adapt."""
     return {k: i.lora_in for k, i in entries().items() if i.lora_in is not None}
+
+
+# ----- μP: the maximal-update parametrization, from the same declarations ---------------------------------------
+# Yang et al. 2022, "Tensor Programs V: Tuning Large Neural Networks via Zero-Shot Hyperparameter Transfer"
+# (arXiv:2203.03466), Table 3 (μP for SGD and Adam), in the equivalent form with multipliers its appendix gives
+# ("alternative (equivalent) μP formulation for easier implementation"), written relative to a base model so that at the base width μP is the standard parametrization
+# (SP) exactly. The width of a dimension grows with d_model (``WIDTH_DIMS``); vocabulary, expert counts, state size
+# and conv width are finite. docs/scaling-laws.md tables every rule with its source.
+WIDTH_DIMS = ("D", "H", "G", "K", "F", "M", "I", "R")  # the dimensions that grow with the width
+PARAMETRIZATIONS = ("sp", "mup")  # ModelConfig.parametrization
+MUP_CLASSES = ("input", "hidden", "output", "vector")  # Yang et al.'s kinds of weights (their Table 3's columns)
+
+
+def mup(cfg) -> bool:
+    """Whether ``cfg`` is μP (a config-like object without the field is SP)."""
+    return getattr(cfg, "parametrization", "sp") == "mup"
+
+
+def width_mult(name: str, cfg) -> float:
+    """m of dimension ``name``: how many times wider it is than in the base model (1 under SP and for finite
+    dimensions). D, F, M, I, R: m = d_model / ``mup_base_width``; K (head width): d_head / ``mup_base_head_width``
+    (1 when that is unset: the head width is then not a width); H, G (head counts): m / m_K, so that the attention
+    width h·d_h grows as d_model does."""
+    if not mup(cfg) or name not in WIDTH_DIMS:
+        return 1.0
+    m = cfg.d_model / cfg.mup_base_width
+    m_head = cfg.d_head / cfg.mup_base_head_width if cfg.mup_base_head_width else 1.0
+    return m_head if name == "K" else m / m_head if name in ("H", "G") else m
+
+
+def fan_dims(info: ParamInfo) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(input dims, output dims) of a weight: its ``lora_in`` leading dims (else the first) are what it contracts;
+    a leading expert axis (X, S) is neither (one matrix per expert)."""
+    dims = info.dims[1:] if info.dims and info.dims[0] in ("X", "S") else info.dims
+    n_in = info.lora_in if info.lora_in is not None and len(dims) == len(info.dims) else 1
+    return dims[:n_in], dims[n_in:]
+
+
+def mup_class(info: ParamInfo) -> str:
+    """Yang et al.'s kind of a parameter, from its declaration: "input" (a finite fan-in into a width: the
+    embedding), "hidden" (width to width), "output" (a width into a finite fan-out: the unembedding, a router),
+    "vector" (gains, biases, elementwise and state arrays: Table 3's "all biases")."""
+    if info.role not in ("table", "matmul") or len(info.dims) < 2:
+        return "vector"
+    ins, outs = fan_dims(info)
+    wide_in, wide_out = any(d in WIDTH_DIMS for d in ins), any(d in WIDTH_DIMS for d in outs)
+    if wide_in and wide_out:
+        return "hidden"
+    return "output" if wide_in else "input" if wide_out else "vector"
+
+
+def fan_mult(info: ParamInfo, cfg) -> tuple[float, float]:
+    """(fan_in / base fan_in, fan_out / base fan_out) of a weight: the products of its dims' ``width_mult``."""
+    ins, outs = fan_dims(info)
+    return math.prod(width_mult(d, cfg) for d in ins), math.prod(width_mult(d, cfg) for d in outs)
+
+
+def mup_init_mult(info: ParamInfo, cfg) -> float:
+    """The factor on a declared σ under μP: √(fan_in/base fan_in) for an output weight, so that its σ is the base
+    model's 1/√fan_in_base and, with the output multiplier 1/m, the effective weight has variance
+    ∝ 1/fan_in² (Table 3, output weights; in the multiplier form the stored weight's variance is independent of
+    width). 1 for everything else:
+    hidden weights keep 1/fan_in (Table 3), input weights and vectors their own scale."""
+    return math.sqrt(fan_mult(info, cfg)[0]) if mup_class(info) == "output" else 1.0
+
+
+def output_mult(cfg) -> float:
+    """The logits' multiplier α = base fan_in / fan_in of the unembedding (1/m; 1 under SP): Λ = α·R U (the
+    multiplier form of Table 3: output weights × 1/fan_in, their Adam learning rate then independent of width)."""
+    return 1.0 / fan_mult(TOP["unembed"], cfg)[0]
+
+
+def attention_q_mult(cfg) -> float:
+    """The factor on Q that turns the attention kernels' 1/√d_h into μP's logit scale (Yang et al. 2022, §4 and
+    Appendix B.1: q·k/d instead of q·k/√d): with ``mup_base_head_width`` d_0 the scale is √d_0/d_h (1/√d_h at
+    d_h = d_0, SP's), so Q is multiplied by √(d_0/d_h); without it the scale is 1/d_h, Q × 1/√d_h. 1 under SP."""
+    if not mup(cfg):
+        return 1.0
+    return math.sqrt((cfg.mup_base_head_width or 1) / cfg.d_head)
+
+
+def mup_lr_mult(info: ParamInfo, cfg, optimizer: str = "adamw") -> float:
+    """The learning-rate multiplier of a declared parameter under μP (1 under SP).
+
+    AdamW (Table 3, Adam): hidden weights η/m_in (m_in = fan_in / base fan_in); input weights, output weights
+    (with the output multiplier of Table 9) and vectors η. Muon (``optimizer`` "muon" or "normuon", on the hidden weights it
+    orthogonalises; Yang, Simon & Bernstein 2023, "A Spectral Condition for Feature Learning", arXiv:2310.17813,
+    Condition 1: ‖ΔW‖_spectral = Θ(√(fan_out/fan_in))): Muon's update has spectral norm 0.2·√max(fan_in, fan_out)
+    (Liu et al.'s scaling, train/muon.py), so the multiplier is √(fan_out/fan_in)/√max(fan_in, fan_out) over its
+    value at the base shape: 1/√m when both fans grow by m. The rest of a Muon run is AdamW's."""
+    if not mup(cfg) or mup_class(info) != "hidden":
+        return 1.0
+    m_in, m_out = fan_mult(info, cfg)
+    if optimizer not in ("muon", "normuon"):
+        return 1.0 / m_in
+    ins, outs = fan_dims(info)
+    fan_in, fan_out = math.prod(dim(d, cfg) for d in ins), math.prod(dim(d, cfg) for d in outs)
+    base_in, base_out = fan_in / m_in, fan_out / m_out
+    return math.sqrt((m_out / m_in) * max(base_in, base_out) / max(fan_in, fan_out))

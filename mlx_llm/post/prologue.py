@@ -206,7 +206,7 @@ def post_fit(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, trainable, froz
     batch source samples from the current parameters (RL), so each step's metrics are read back with its batch.
     ``plan`` and ``info``: the run layer's (``Start.plan``, ``Start.info()``). Returns ``fit``'s dict."""
     mesh = make_mesh(tcfg.mesh)
-    state = place_state(init_state(cfg, tcfg, optimizer_for(tcfg), trainable), mesh)
+    state = place_state(init_state(cfg, tcfg, optimizer_for(tcfg, cfg=cfg), trainable), mesh)
     frozen = shard_tree(frozen, mesh)
     batch_sh = batch_sharding(mesh)
 

@@ -48,7 +48,7 @@ def restore_params(run, step: int | None = None, *, like=None):
     run = as_run(run)
     step = checkpoint_step(run, step)
     mesh = make_mesh()
-    abstract = jax.eval_shape(lambda: init_state(run.cfg, run.tcfg, optimizer_for(run.tcfg),
+    abstract = jax.eval_shape(lambda: init_state(run.cfg, run.tcfg, optimizer_for(run.tcfg, cfg=run.cfg),
                                                  like() if callable(like) else like))
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated(mesh)), abstract)
     ckpts = checkpoints(run)
@@ -106,7 +106,7 @@ def write_checkpoint_run(out, cfg: ModelConfig, tcfg: TrainConfig, record: RunRe
     all of it or nothing (``new_dir``)."""
     out = Path(out)
     check_new_dir(out, "run directory")
-    state = init_state(cfg, tcfg, optimizer_for(tcfg), params).replace(step=np.int32(step), data_step=np.int32(step))
+    state = init_state(cfg, tcfg, optimizer_for(tcfg, cfg=cfg), params).replace(step=np.int32(step), data_step=np.int32(step))
     needed = sum(int(getattr(a, "nbytes", 0)) for a in jax.tree.leaves(state)) + (1 << 20)  # + configs, tokenizer
     with new_dir(out, needed) as tmp:
         write_run(tmp, cfg, tcfg, record)

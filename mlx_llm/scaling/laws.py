@@ -237,7 +237,7 @@ def _multistart(starts, logs_3R, weights_R, delta, iters: int, polish_top: int):
 
 
 def fit_chinchilla(N, D, loss, *, delta: float = 1e-3, bootstrap: int = 0, seed: int = 0, grid=None,
-                   iters: int = 200, polish_top: int = 3, ci: float = 0.95) -> dict:
+                   iters: int = 200, polish_top: int = 3, ci: float = 0.95, holdout=None) -> dict:
     """Hoffmann et al.'s Approach 3: minimise Σ Huber_δ(LSE(a − α log N, b − β log D, e) − log L).
 
     L-BFGS runs from every point of ``grid`` (default ``HOFFMANN_GRID``, 4 500 starts) as one vmapped batch
@@ -251,7 +251,19 @@ def fit_chinchilla(N, D, loss, *, delta: float = 1e-3, bootstrap: int = 0, seed:
     one part in a million of the slope every run's Huber term can give per unit of its log-features),
     ``n_starts``, ``n_at_best`` (starts within 1e-9 of the best objective before polishing) and, with
     bootstrap, ``ci`` and ``samples`` (dicts keyed by parameter name).
+
+    Held-out mode: ``holdout`` gives each run's compute budget; the runs of the largest budget are left out, the law
+    is fitted (and bootstrapped) on the others, and ``held_out`` (``predict_held_out``) holds what it predicts for
+    them — each run's loss, and the budget's compute-optimal N and loss — with intervals from the bootstrap
+    replicates, against what was measured.
     """
+    if holdout is not None:
+        fit_rows, held_rows, budget = _split_largest(holdout, N)
+        N, D, loss = (np.asarray(x, dtype=np.float64) for x in (N, D, loss))
+        out = fit_chinchilla(N[fit_rows], D[fit_rows], loss[fit_rows], delta=delta, bootstrap=bootstrap, seed=seed,
+                             grid=grid, iters=iters, polish_top=polish_top, ci=ci)
+        out["held_out"] = predict_held_out(out, N[held_rows], D[held_rows], loss[held_rows], budget, ci=ci)
+        return out
     if not (isinstance(delta, (int, float)) and delta > 0):
         raise InputError(f"delta = {delta!r} is invalid: the Huber threshold must be > 0")
     if isinstance(bootstrap, bool) or not isinstance(bootstrap, int) or bootstrap < 0:
@@ -290,6 +302,81 @@ def _bootstrap(x_best, logs_3R, delta, n_rep: int, seed: int, iters: int, ci: fl
     return {"ci": intervals, "samples": samples}
 
 
+# ----- held out: fit on the smaller budgets, predict the largest ----------------------------------------------
+
+def _split_largest(budget, N):
+    """(rows fitted, rows held out, the held-out budget): the runs of the largest budget are held out."""
+    budget = _positive("holdout (each run's budget)", budget)
+    if budget.shape != np.shape(N):
+        raise InputError(f"holdout gives one budget per run: got {budget.shape[0] if budget.ndim else 0} budgets for "
+                         f"{np.size(N)} runs")
+    top = budget.max()
+    held = np.isclose(budget, top, rtol=1e-9)
+    if held.all():
+        raise InputError(f"holdout: every run is of budget {top:.4g}; the held-out mode fits the smaller budgets and "
+                         f"predicts the largest, so it needs at least two budgets")
+    return ~held, held, float(top)
+
+
+def _interval(values, ci: float):
+    tail = 50.0 * (1.0 - ci)
+    return [float(v) for v in np.nanpercentile(values, [tail, 100.0 - tail], axis=0)]
+
+
+def predict_held_out(fit: dict, N, D, loss, budget: float, *, ci: float = 0.95, spread: float = 4.0,
+                     points: int = 2001) -> dict:
+    """What ``fit`` (a ``fit_chinchilla`` result, with or without bootstrap ``samples``) predicts for held-out runs
+    of one compute budget, against what they measured:
+
+    - ``runs``: each run's L̂(N, D), its interval over the bootstrap replicates and the measured loss; ``loss_error``
+      the mean and largest |L̂ − L| and the mean (L̂ − L)/L;
+    - ``compute_optimal``: the law's minimum along the held-out runs' IsoFLOP line (log D linear in log N through
+      the runs, which is exactly how their D falls with N at one compute, whatever FLOPs-per-token rule sized
+      them), over N from their smallest / ``spread`` to their largest × ``spread``: N* and L*, with intervals;
+      against the vertex of the parabola through the runs' losses in log N (Approach 2's estimate of the measured
+      optimum; None when the runs show no valley). ``N_ratio`` = N*/N_measured, ``loss_error`` = L* − L_measured,
+      and whether the interval covers the measurement.
+    """
+    N, D, loss = _positive("N", N), _positive("D", D), _positive("loss", loss)
+    if not (N.ndim == 1 and N.shape == D.shape == loss.shape):
+        raise InputError(f"N, D, loss must be 1-D of one length; got shapes {N.shape}, {D.shape}, {loss.shape}")
+    names = ChinchillaParams._fields
+    point = np.array([[fit[k] for k in names]])
+    samples = fit.get("samples")
+    table = point if not samples else np.concatenate([point, np.stack([samples[k] for k in names], axis=1)])
+    E, A, B, alpha, beta = (table[:, i:i + 1] for i in range(5))  # (1 + replicates, 1)
+    per_run = E + A / N ** alpha + B / D ** beta  # (1 + replicates, runs)
+    out = {"budget": float(budget), "n_runs": int(N.size), "bootstrap": int(len(table) - 1),
+           "runs": {"N": N.tolist(), "D": D.tolist(), "loss": loss.tolist(), "predicted": per_run[0].tolist()},
+           "loss_error": {"mean_abs": float(np.mean(np.abs(per_run[0] - loss))),
+                          "max_abs": float(np.max(np.abs(per_run[0] - loss))),
+                          "mean_rel": float(np.mean((per_run[0] - loss) / loss))}}
+    if len(table) > 1:
+        out["runs"]["ci"] = [_interval(per_run[1:, j], ci) for j in range(N.size)]
+    if len(np.unique(N)) < 2:
+        out["compute_optimal"] = None
+        return out
+    slope, icept = np.polyfit(np.log(N), np.log(D), 1)
+    log_n = np.linspace(np.log(N.min() / spread), np.log(N.max() * spread), points)
+    curve = E + A / np.exp(log_n) ** alpha + B / np.exp(icept + slope * log_n) ** beta  # (1 + replicates, points)
+    best = np.argmin(curve, axis=1)
+    n_star, l_star = np.exp(log_n[best]), curve[np.arange(len(table)), best]
+    opt = {"N_predicted": float(n_star[0]), "loss_predicted": float(l_star[0]),
+           "at_edge": bool(best[0] in (0, points - 1))}
+    if len(table) > 1:
+        opt |= {"N_ci": _interval(n_star[1:], ci), "loss_ci": _interval(l_star[1:], ci)}
+    vertex = _parabola_minimum(np.log(N), loss)
+    if vertex is not None:
+        n_meas, l_meas = float(np.exp(vertex[0])), float(vertex[1])
+        opt |= {"N_measured": n_meas, "loss_measured": l_meas, "N_ratio": opt["N_predicted"] / n_meas,
+                "loss_error": opt["loss_predicted"] - l_meas}
+        if len(table) > 1:
+            opt |= {"N_covered": opt["N_ci"][0] <= n_meas <= opt["N_ci"][1],
+                    "loss_covered": opt["loss_ci"][0] <= l_meas <= opt["loss_ci"][1]}
+    out["compute_optimal"] = opt
+    return out
+
+
 # ----- Approach 2: IsoFLOP parabolas ------------------------------------------------------------------
 
 def _budget_groups(C, budgets, tol_dex: float):
@@ -320,7 +407,29 @@ def _parabola_minimum(log_n, loss):
     return x + centre, c0 - c1 * c1 / (4.0 * c2)
 
 
-def isoflop_fit(N, D, loss, *, budgets=None, tol_dex: float = 0.1) -> dict:
+def _vertices(N, loss, groups):
+    """(used, skipped): (budget, run indices, vertex) of every group, split by whether its parabola has a vertex
+    inside its sizes."""
+    used, skipped = [], []
+    for budget, idx in groups:
+        vertex = _parabola_minimum(np.log(N[idx]), loss[idx]) if len(idx) else None
+        (used if vertex else skipped).append((budget, idx, vertex))
+    return used, skipped
+
+
+def _power_laws(used):
+    """N_opt = k_N·C^a, D_opt = k_D·C^b (D_opt = C/(6 N_opt)) and log L_opt linear in log C, through the vertices."""
+    C_k = np.array([b for b, _, _ in used])
+    N_opt = np.exp([v[0] for _, _, v in used])
+    loss_opt = np.array([v[1] for _, _, v in used])
+    a, log_kn = np.polyfit(np.log(C_k), np.log(N_opt), 1)
+    b, log_kd = np.polyfit(np.log(C_k), np.log(C_k / (6.0 * N_opt)), 1)
+    g, log_kl = np.polyfit(np.log(C_k), np.log(loss_opt), 1)
+    return C_k, N_opt, loss_opt, (a, log_kn, b, log_kd, g, log_kl)
+
+
+def isoflop_fit(N, D, loss, *, budgets=None, tol_dex: float = 0.1, holdout: bool = False, bootstrap: int = 0,
+                seed: int = 0, ci: float = 0.95) -> dict:
     """Hoffmann et al.'s Approach 2: per compute budget (C = 6ND), fit a parabola of loss against log N;
     its vertex is N_opt(C), and D_opt = C/(6 N_opt). Then fit N_opt = k_N·C^a and D_opt = k_D·C^b by
     least squares in log space (a + b = 1 by construction).
@@ -328,26 +437,66 @@ def isoflop_fit(N, D, loss, *, budgets=None, tol_dex: float = 0.1) -> dict:
     Runs are grouped by ``budgets`` (nominal C, nearest within ``tol_dex`` decades) or, without them, by
     gaps wider than ``tol_dex`` in sorted log10 C. A budget is skipped, and listed under ``skipped``, when
     it has fewer than three distinct sizes, is not convex, or its vertex lies outside the sizes it sampled.
+
+    Held-out mode (``holdout``): the largest budget's runs are left out of the power laws, which are fitted on the
+    usable budgets below it (at least two), and ``held_out`` compares what they predict at that budget with its own
+    parabola's vertex: N_opt = k_N·C^a, and the optimal loss from log L_opt linear in log C through the fitted
+    vertices (two constants: all a handful of budgets can pin down). ``bootstrap`` > 0 resamples the runs of every
+    fitted budget with replacement (``seed``) and refits, for ``ci`` percentile intervals of both predictions
+    (replicates in which fewer than two budgets keep a vertex are dropped and counted).
     """
     N, D, loss = _positive("N", N), _positive("D", D), _positive("loss", loss)
     if not (N.ndim == 1 and N.shape == D.shape == loss.shape):
         raise InputError(f"N, D, loss must be 1-D of one length; got shapes {N.shape}, {D.shape}, {loss.shape}")
+    if isinstance(bootstrap, bool) or not isinstance(bootstrap, int) or bootstrap < 0:
+        raise InputError(f"bootstrap = {bootstrap!r} is invalid: it must be an integer >= 0")
     C = training_flops(N, D)
-    used, skipped = [], []
-    for budget, idx in _budget_groups(np.atleast_1d(C), budgets, tol_dex):
-        vertex = _parabola_minimum(np.log(N[idx]), loss[idx]) if len(idx) else None
-        (used if vertex else skipped).append((budget, len(idx), vertex))
+    groups = _budget_groups(np.atleast_1d(C), budgets, tol_dex)
+    held = None
+    if holdout:
+        largest = max(range(len(groups)), key=lambda j: groups[j][0])
+        held = groups.pop(largest)
+    used, skipped = _vertices(N, loss, groups)
     if len(used) < 2:
-        raise InputError(f"isoflop_fit needs at least two usable compute budgets; got {len(used)} "
-                         f"(skipped budgets: {[f'{b:.3g}' for b, _, _ in skipped]})")
-    C_k = np.array([b for b, _, _ in used])
-    N_opt = np.exp([v[0] for _, _, v in used])
-    D_opt = C_k / (6.0 * N_opt)
-    a, log_kn = np.polyfit(np.log(C_k), np.log(N_opt), 1)
-    b, log_kd = np.polyfit(np.log(C_k), np.log(D_opt), 1)
-    return {"a": float(a), "b": float(b), "N_coef": float(np.exp(log_kn)), "D_coef": float(np.exp(log_kd)),
-            "C": C_k, "N_opt": N_opt, "D_opt": D_opt, "loss_opt": np.array([v[1] for _, _, v in used]),
-            "n_runs": np.array([n for _, n, _ in used]), "skipped": [b for b, _, _ in skipped]}
+        raise InputError(f"isoflop_fit needs at least two usable compute budgets{' below the held-out one' if holdout else ''}; "
+                         f"got {len(used)} (skipped budgets: {[f'{b:.3g}' for b, _, _ in skipped]})")
+    C_k, N_opt, loss_opt, (a, log_kn, b, log_kd, _, _) = _power_laws(used)
+    out = {"a": float(a), "b": float(b), "N_coef": float(np.exp(log_kn)), "D_coef": float(np.exp(log_kd)),
+           "C": C_k, "N_opt": N_opt, "D_opt": C_k / (6.0 * N_opt), "loss_opt": loss_opt,
+           "n_runs": np.array([len(i) for _, i, _ in used]), "skipped": [b for b, _, _ in skipped]}
+    if holdout:
+        out["held_out"] = _isoflop_held_out(N, loss, used, held, bootstrap, seed, ci)
+    return out
+
+
+def _isoflop_held_out(N, loss, used, held, bootstrap: int, seed: int, ci: float) -> dict:
+    budget, idx = held
+    *_, (a, log_kn, _, _, g, log_kl) = _power_laws(used)
+    log_c = math.log(budget)
+    out = {"budget": float(budget), "n_runs": int(len(idx)), "N_predicted": float(np.exp(log_kn + a * log_c)),
+           "loss_predicted": float(np.exp(log_kl + g * log_c)), "fitted_budgets": [float(b) for b, _, _ in used]}
+    if bootstrap:
+        rng = np.random.default_rng(seed)
+        preds = []
+        for _ in range(bootstrap):
+            resampled = [(b, rng.choice(i, size=len(i), replace=True)) for b, i, _ in used]
+            rep, _ = _vertices(N, loss, resampled)
+            if len(rep) >= 2:
+                *_, (ra, rkn, _, _, rg, rkl) = _power_laws(rep)
+                preds.append((np.exp(rkn + ra * log_c), np.exp(rkl + rg * log_c)))
+        preds = np.array(preds)
+        out |= {"bootstrap": bootstrap, "replicates_dropped": bootstrap - len(preds)}
+        if len(preds):
+            out |= {"N_ci": _interval(preds[:, 0], ci), "loss_ci": _interval(preds[:, 1], ci)}
+    vertex = _parabola_minimum(np.log(N[idx]), loss[idx]) if len(idx) else None
+    if vertex is not None:
+        n_meas, l_meas = float(np.exp(vertex[0])), float(vertex[1])
+        out |= {"N_measured": n_meas, "loss_measured": l_meas, "N_ratio": out["N_predicted"] / n_meas,
+                "loss_error": out["loss_predicted"] - l_meas}
+        if "N_ci" in out:
+            out |= {"N_covered": out["N_ci"][0] <= n_meas <= out["N_ci"][1],
+                    "loss_covered": out["loss_ci"][0] <= l_meas <= out["loss_ci"][1]}
+    return out
 
 
 # ----- data -------------------------------------------------------------------------------------------

@@ -107,7 +107,7 @@ def train_loop(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, corpus, *, pl
     mesh = make_mesh(tcfg.mesh)
     check_batch_divisible(tcfg.batch_size, tcfg.grad_accum, mesh)
     schedule_steps = plan.schedule_steps if plan is not None else None
-    optimizer = optimizer_for(schedule_config(tcfg, schedule_steps))
+    optimizer = optimizer_for(schedule_config(tcfg, schedule_steps), cfg=cfg)
     state = place_state(init_state(cfg, tcfg, optimizer, initial_params), mesh)
     job = lm_job(cfg, tcfg, corpus, mesh, trainable=initial_params, frozen=frozen, model_of=model_of,
                  schedule_steps=schedule_steps, step=step)
@@ -136,7 +136,7 @@ def seconds_per_step(cfg: ModelConfig, tcfg: TrainConfig, corpus, rounds: int = 
     """Median wall time of one jitted training step on the run's first batch, measured after compiling it."""
     mesh = make_mesh(tcfg.mesh)
     step = jit_train_step(cfg, tcfg, mesh, corpus.tokenizer.mask_id)
-    state = place_state(init_state(cfg, tcfg, optimizer_for(tcfg)), mesh)
+    state = place_state(init_state(cfg, tcfg, optimizer_for(tcfg, cfg=cfg)), mesh)
     rows = local_rows(mesh, tcfg.batch_size)
     batch = device_batch(corpus.train_batch(0, batch_size=tcfg.batch_size, seq_len=tcfg.seq_len, seed=tcfg.batch_seed,
                                             rows=rows), mesh, tcfg.batch_size)

@@ -1,4 +1,5 @@
-"""AdamW with global clipping and decay groups (M20 §12), as one optax chain, plus schedules."""
+"""AdamW with global clipping and decay groups (M20 §12), as one optax chain, plus schedules; per-leaf learning-rate
+multipliers (the groups' ``role_lr_scales``, μP's ``mup_lr_scales``) meet in one ``scale_per_leaf`` step."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import optax
 
 from mlx_llm.config import DECAY_SHAPES, OPTIMIZERS, wsd_decay_steps
 from mlx_llm.errors import ConfigError
-from mlx_llm.train import muon
+from mlx_llm.layers import layout
+from mlx_llm.train import masks, muon
 from mlx_llm.train.masks import (ROUTING_STATE_KEYS, decay_mask, exclude_routing_state, role_lr_scales,  # noqa: F401
                                  strip_routing_state)
 
@@ -89,6 +91,24 @@ def make_optimizer(learning_rate: float | Schedule, *, b1: float = 0.9, b2: floa
         update = optax.chain(update, scale_per_leaf(lr_scales))
     chain = update if clip_norm is None else optax.chain(optax.clip_by_global_norm(clip_norm), update)
     return exclude_routing_state(chain if spike_factor is None else skip_spikes(chain, spike_factor))
+
+
+def mup_lr_scales(tree, cfg, kind: str = "adamw"):
+    """The learning-rate multiplier of every leaf of ``tree`` (parameters or their updates) under μP, as a tree of
+    floats: ``layers.layout.mup_lr_mult`` of the leaf's declaration (AdamW: η/m_in on the hidden weights, m_in =
+    fan_in / base fan_in, η on everything else; Muon: the spectral condition's multiplier on the matrices Muon
+    orthogonalises). All 1.0 under SP. A leaf is a model parameter when its own key is declared in the layout;
+    anything else (LoRA factors such as ``blocks/wq/A``) trains at the schedule's η, and the reward and value
+    heads are vectors (η): μP's rules are stated for a model's own weights."""
+    if kind not in OPTIMIZERS:
+        raise ConfigError(f"mup_lr_scales: kind = {kind!r} is invalid: valid optimizers are {list(OPTIMIZERS)}")
+    infos = layout.entries()
+
+    def scale(path, leaf):
+        key = masks.key_name(path[-1]) if path else None
+        return layout.mup_lr_mult(infos[key], cfg, kind) if key in infos else 1.0
+
+    return jax.tree_util.tree_map_with_path(scale, tree)
 
 
 def warmup_cosine(peak: float, warmup_steps: int, total_steps: int, final_fraction: float = 0.1) -> Schedule:

@@ -253,7 +253,7 @@ def compiled_update(cfg: ModelConfig, tcfg: TrainConfig, objective, trainable, f
     mesh = make_mesh(tcfg.mesh)
     rows = jax.tree.leaves(example_batch)[0].shape[0]  # pairs, or RL's prompts × replies
     check_batch_divisible(rows // minibatches, tcfg.grad_accum, mesh)
-    update = make_update(objective, tcfg, optimizer_for(tcfg, epochs * minibatches), offsets=offsets,
+    update = make_update(objective, tcfg, optimizer_for(tcfg, epochs * minibatches, cfg=cfg), offsets=offsets,
                          count_name=count_name, epochs=epochs, minibatches=minibatches, n_layers=cfg.n_layers)
     compiled = compile_update(update, abstract_state(cfg, tcfg, trainable), frozen, example_batch, mesh)
     check_compiled_fits(compiled, "update")

@@ -26,7 +26,8 @@ from mlx_llm.model import (hidden_states, init_params, logits_from_hidden, mtp_h
                            training_window)
 from mlx_llm.layers.moe import apply_offset_rule
 from mlx_llm.train import watch
-from mlx_llm.train.optim import SpikeState, make_optimizer, multiply_scales, warmup_cosine, warmup_stable_decay
+from mlx_llm.train.optim import (SpikeState, make_optimizer, multiply_scales, mup_lr_scales, warmup_cosine,
+                                 warmup_stable_decay)
 from mlx_llm.train.masks import role_lr_scales, strip_routing_state
 from mlx_llm.train.parallel import batch_sharding, global_batch, local_rows, replicated, tree_shardings
 
@@ -66,23 +67,29 @@ def schedule_config(tcfg: TrainConfig, schedule_steps: int | None = None) -> Tra
     return dataclasses.replace(tcfg, steps=schedule_steps)
 
 
-def optimizer_for(tcfg: TrainConfig, updates_per_step: int = 1) -> optax.GradientTransformation:
-    """The run's optimizer chain (AdamW or Muon, ``--skip-spikes`` around it); with ``updates_per_step``
-    optimizer updates per training step (PPO's epochs × minibatches), the learning rate follows the schedule of
-    the step, constant within it."""
+def optimizer_for(tcfg: TrainConfig, updates_per_step: int = 1, *,
+                  cfg: ModelConfig | None = None) -> optax.GradientTransformation:
+    """The run's optimizer chain (AdamW, Muon or NorMuon, ``--skip-spikes`` around it) for the model ``cfg``
+    (None: a standard-parametrization model), with the run's per-leaf learning-rate multipliers (``lr_scales_for``:
+    the groups' and, under μP, ``optim.mup_lr_scales``) in one ``optim.scale_per_leaf`` step; with
+    ``updates_per_step`` optimizer updates per training step (PPO's epochs × minibatches), the learning rate
+    follows the schedule of the step, constant within it."""
     schedule = schedule_for(tcfg)
     if updates_per_step != 1:
         schedule = (lambda base, n: lambda count: base(count // n))(schedule, updates_per_step)
     return make_optimizer(schedule, b1=tcfg.b1, b2=tcfg.b2, weight_decay=tcfg.weight_decay, clip_norm=tcfg.clip_norm,
                           kind=tcfg.optimizer, spike_factor=tcfg.spike_factor if tcfg.skip_spikes else None,
                           polar_express=tcfg.polar_express, cautious_wd=tcfg.cautious_wd,
-                          lr_scales=lr_scales_for(tcfg))
+                          lr_scales=lr_scales_for(tcfg, cfg))
 
 
-def lr_scales_for(tcfg: TrainConfig) -> Callable | None:
+def lr_scales_for(tcfg: TrainConfig, cfg: ModelConfig | None = None) -> Callable | None:
     """The run's per-leaf learning-rate multipliers as one function of the updates tree (``optim.multiply_scales``
-    of every source: the groups' ``role_scales_for``); None when every multiplier is 1."""
-    return multiply_scales(role_scales_for(tcfg))
+    of every source: the groups' ``role_scales_for`` and, for a μP model ``cfg``, ``optim.mup_lr_scales``); None
+    when every multiplier is 1."""
+    mup = (functools.partial(mup_lr_scales, cfg=cfg, kind=tcfg.optimizer)
+           if cfg is not None and cfg.parametrization == "mup" else None)
+    return multiply_scales(role_scales_for(tcfg), mup)
 
 
 def role_scales_for(tcfg: TrainConfig) -> Callable | None:
@@ -360,7 +367,7 @@ def make_train_step(cfg: ModelConfig, tcfg: TrainConfig, optimizer: optax.Gradie
 
 def abstract_state(cfg: ModelConfig, tcfg: TrainConfig, trainable=None) -> TrainState:
     """Shapes and dtypes of a run's TrainState over ``trainable`` (default: a fresh model); nothing allocated."""
-    return jax.eval_shape(lambda: init_state(cfg, tcfg, optimizer_for(tcfg), trainable))
+    return jax.eval_shape(lambda: init_state(cfg, tcfg, optimizer_for(tcfg, cfg=cfg), trainable))
 
 
 def place_state(state: TrainState, mesh) -> TrainState:
@@ -403,7 +410,7 @@ def compile_lm_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, mask_id: int | No
                     frozen=None, model_of: Callable | None = None):
     """The language-model step of ``tcfg`` compiled on ``mesh`` (``compile_update``): over a fresh model, or
     over ``trainable`` beside ``frozen`` (``model_of``: see ``lm_objective``)."""
-    update = lm_update(cfg, tcfg, optimizer_for(tcfg), mask_id, mesh_platform(mesh), model_of)
+    update = lm_update(cfg, tcfg, optimizer_for(tcfg, cfg=cfg), mask_id, mesh_platform(mesh), model_of)
     return compile_update(update, abstract_state(cfg, tcfg, trainable), frozen, abstract_batch(tcfg), mesh)
 
 
@@ -411,7 +418,7 @@ def compile_lm_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, mask_id: int | No
 def jit_train_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, mask_id: int | None = None) -> Callable:
     """The jitted whole-model step, (state, batch) → (state, metrics) (``jit_update`` of ``lm_update``).
     Cached on the (hashable) configs and mesh, so a repeated call in one process compiles once."""
-    update = lm_update(cfg, tcfg, optimizer_for(tcfg), mask_id, mesh_platform(mesh))
+    update = lm_update(cfg, tcfg, optimizer_for(tcfg, cfg=cfg), mask_id, mesh_platform(mesh))
     jitted = jit_update(update, abstract_state(cfg, tcfg), None, mesh)
     return lambda state, batch: jitted(state, batch, None)
 

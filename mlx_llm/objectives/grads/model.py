@@ -94,6 +94,9 @@ def value_and_grad_with_head(params, tokens_BT, cfg: ModelConfig, head, *, posit
     Configs with terms it has no equations for are refused (``check_by_hand``)."""
     check_by_hand(cfg)
     check_tokens(tokens_BT, cfg)
+    if cfg.parametrization != "sp":
+        raise ConfigError(f"the analytic backward is written for the standard parametrization; this config is "
+                          f"parametrization = {cfg.parametrization!r} (use jax.grad)")
     params, tokens_BT = jax.tree.map(jnp.asarray, params), jnp.asarray(tokens_BT)
     b, t = tokens_BT.shape
     positions_BT = jnp.broadcast_to(jnp.arange(t), (b, t)) if positions_BT is None else jnp.asarray(positions_BT)
