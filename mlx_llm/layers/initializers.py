@@ -19,7 +19,7 @@ def init_array(info: ParamInfo, cfg, normal, dtype, lead: tuple[int, ...] = (), 
     ``rule(shape, dtype, draw)``."""
     full = (*lead, *shape(info, cfg))
     main, extra = normal if isinstance(normal, tuple) else (normal, None)
-    std = info.std(cfg) * mup_init_mult(info, cfg)
+    std = info.std(cfg) * mup_init_mult(info, cfg) if info.draws or info.extra else None
     if info.extra:
         if extra is None:
             raise ValueError("this array draws from the knobs' second key stream: pass normal as (main, extra)")
