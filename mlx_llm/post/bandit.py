@@ -71,12 +71,17 @@ class Bandit:
         """log π(y) of every reply, (N,)."""
         return jnp.sum(self.token_logprobs(logits_HV, jnp.arange(self.n_replies)), axis=1)
 
+    def reply_probs(self, probs_HV) -> np.ndarray:
+        """π(y) = Π_t π(y_t | y_<t) of every reply from a table of conditionals (NumPy, float64), (N,)."""
+        probs = np.asarray(probs_HV, np.float64)[self.prefixes, self.tokens]
+        return np.prod(np.where(self.mask > 0, probs, 1.0), axis=1)
+
 
 def make_bandit(vocab: int, length: int, *, eos: bool = True) -> Bandit:
     """Replies of up to ``length`` tokens over ``vocab`` tokens, the last of them the end token when ``eos``
     (a reply ends at it; without it every reply has ``length`` tokens)."""
     end = vocab - 1 if eos else None
-    if vocab < 2 or length < 1 or (eos and vocab < 2):
+    if vocab < 2 or length < 1:
         raise ConfigError(f"a bandit needs vocab ≥ 2 and length ≥ 1, got vocab = {vocab}, length = {length}")
     replies = [toks for n in range(1, length + 1) for toks in itertools.product(range(vocab), repeat=n)
                if end not in toks[:-1] and (n == length or toks[-1] == end)]
@@ -93,6 +98,16 @@ def make_bandit(vocab: int, length: int, *, eos: bool = True) -> Bandit:
 def one_token_bandit(n: int) -> Bandit:
     """U19 §12's bandit: one token, ``n`` answers."""
     return make_bandit(n, 1, eos=False)
+
+
+def sequence_example(seed: int = 0, *, vocab: int = 3, length: int = 3, scale: float = 0.7):
+    """The sequence bandit the tests and docs use: two tokens and the end token, replies of up to three tokens (15
+    replies, 7 prefixes), reference logits N(0, ``scale``²) per prefix and a checker's reward, 0 or 1 per reply
+    (both drawn from ``seed``). Returns (bandit, reference logits (H, V), rewards (N,))."""
+    b = make_bandit(vocab, length)
+    rng = np.random.default_rng(seed)
+    ref = rng.normal(size=(b.n_prefixes, vocab)) * scale
+    return b, ref, rng.integers(0, 2, b.n_replies).astype(np.float64)
 
 
 def closed_form(bandit: Bandit, ref_logits, rewards, beta: float) -> dict:
@@ -192,7 +207,9 @@ def per_prefix_fixed_point(bandit: Bandit, ref_logits, rewards, beta: float, kin
     KL reaches it (docs/post-training.md). One token: k2 gives π*, k3 the forward-KL fixed point."""
     if kind not in ("k2", "k3"):
         raise ValueError(f"kind = {kind!r}: 'k2' or 'k3'")
-    ref_HV = np.asarray(jax.nn.softmax(bandit.table(ref_logits), axis=-1), np.float64)
+    logits = np.reshape(np.asarray(ref_logits, np.float64), (bandit.n_prefixes, bandit.vocab))
+    ref_HV = np.exp(logits - logits.max(-1, keepdims=True))
+    ref_HV /= ref_HV.sum(-1, keepdims=True)
     r = np.asarray(rewards, np.float64)
     index = {reply: i for i, reply in enumerate(bandit.replies)}
     pi_HV = np.zeros_like(ref_HV)
@@ -203,8 +220,7 @@ def per_prefix_fixed_point(bandit: Bandit, ref_logits, rewards, beta: float, kin
                       for y in range(bandit.vocab)])
         pi_HV[h] = _one_step(ref_HV[h], q, beta, kind)
         value[prefix] = float(pi_HV[h] @ q)
-    logits = jnp.log(jnp.asarray(np.maximum(pi_HV, 1e-300)))
-    return np.exp(np.asarray(bandit.reply_logprobs(logits), np.float64))
+    return bandit.reply_probs(pi_HV)
 
 
 def _one_step(ref_V, q_V, beta: float, kind: str) -> np.ndarray:
