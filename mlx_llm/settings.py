@@ -90,6 +90,20 @@ def parse_json(text: str, where: str) -> Any:
     return obj
 
 
+def file_inside(directory: str | os.PathLike, name, what: str, error: type[Exception] = ConfigError) -> Path:
+    """``directory / name`` for a file name that came from outside (an index file's shard, a fixed name in a
+    downloaded directory): it must resolve, links followed, inside ``directory``; a name that is absolute, climbs
+    out with ``..`` or is a link leading out raises ``error`` naming it and ``what`` named it. The file need not
+    exist (callers check)."""
+    if not isinstance(name, str) or not name:
+        raise error(f"{what} names {name!r}, not a file name")
+    root, path = Path(directory).resolve(), (Path(directory) / name).resolve()
+    if Path(name).is_absolute() or not path.is_relative_to(root):
+        raise error(f"{what} names {name!r}, which is outside {directory}: a checkpoint directory's files must lie "
+                    f"inside it")
+    return path
+
+
 def read_json(path: str | os.PathLike, max_bytes: int = MAX_JSON_BYTES) -> Any:
     """``parse_json`` of a UTF-8 file of at most ``max_bytes``; every failure (missing, unreadable, too large, not
     UTF-8, not usable JSON) is one ``JsonProblem`` line naming the file."""

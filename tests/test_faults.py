@@ -15,6 +15,7 @@ import pytest
 from orbax.checkpoint._src.handlers import base_pytree_checkpoint_handler as orbax_pytree
 
 from mlx_llm.train import checkpoint as ckpt_lib
+from mlx_llm.train import loop as loop_lib
 from mlx_llm.runs.rundir import LOCK_FILE
 from mlx_llm.train.checkpoint import MANIFEST_FILE, Checkpoints
 from helpers import TINY, cli_in_process, python, snapshot
@@ -77,9 +78,21 @@ PACED = textwrap.dedent("""
     from mlx_llm.train import loop
     read_back = loop.read_back
     loop.read_back = lambda *a, **k: (time.sleep(0.05), read_back(*a, **k))[1]
-    from mlx_llm.cli import main
-    sys.exit(main(sys.argv[1:]))
+    from mlx_llm.cli import run
+    run()
 """)
+
+
+def paced_run(out, setup, lines: int = 3, shared_cache: bool = True):
+    """The paced run in a subprocess, returned once its metrics.jsonl has ``lines`` lines (still running)."""
+    proc = python("-c", PACED, *args_for(setup, out), shared_cache=shared_cache, popen=True)
+    deadline = time.time() + 300
+    while proc.poll() is None and time.time() < deadline:
+        if (out / "metrics.jsonl").is_file() and len((out / "metrics.jsonl").read_text().splitlines()) >= lines:
+            break
+        time.sleep(0.02)
+    assert proc.poll() is None, "the run ended before the signal: " + proc.stderr.read()[-3000:]
+    return proc
 
 
 @pytest.mark.slow
@@ -89,13 +102,7 @@ def test_a_stop_signal_checkpoints_at_the_step_boundary(tmp_path, setup, sig):
     intervals), one line names it and the resume command, exit 0; --resume then gives the uninterrupted run."""
     out = tmp_path / "run"
     # the session's shared compilation cache off: the command's own default place is under test
-    proc = python("-c", PACED, *args_for(setup, out), shared_cache=False, popen=True)
-    deadline = time.time() + 300
-    while proc.poll() is None and time.time() < deadline:
-        if (out / "metrics.jsonl").is_file() and len((out / "metrics.jsonl").read_text().splitlines()) >= 3:
-            break
-        time.sleep(0.02)
-    assert proc.poll() is None, "the run ended before the signal: " + proc.stderr.read()[-3000:]
+    proc = paced_run(out, setup, shared_cache=False)
     proc.send_signal(sig)
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr[-3000:]
@@ -109,15 +116,77 @@ def test_a_stop_signal_checkpoints_at_the_step_boundary(tmp_path, setup, sig):
     resume_matches_reference(setup, out)
 
 
-def signal_while_writing(monkeypatch, sig, every: bool = False):
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_two_signals_in_quick_succession_end_quietly(tmp_path, setup, sig):
+    """Two signals 20 ms apart, as a double Ctrl-C: the first asks for a stop at the step boundary; the second
+    either lands before that stop (interrupt: exit 130, "interrupted; the last checkpoint is kept") or during its
+    checkpoint write (held until the write is done, then the same). One line, no traceback, every checkpoint
+    intact, and the run resumes to the uninterrupted one."""
+    out = tmp_path / "run"
+    proc = paced_run(out, setup)
+    proc.send_signal(sig)
+    time.sleep(0.02)
+    proc.send_signal(sig)
+    _, stderr = proc.communicate(timeout=300)
+    line = one_line(stderr)
+    if proc.returncode == 130:
+        assert line == "mlx-llm train: interrupted; the last checkpoint is kept (continue with --resume)"
+    else:  # the run had already stopped, with its checkpoint, when the second signal came
+        assert proc.returncode == 0 and line.startswith(f"mlx-llm train: stopped by {sig.name} at step "), stderr
+    assert all(Checkpoints(out).damage(s) is None for s in Checkpoints(out).all_steps())
+    if Checkpoints(out).all_steps():
+        resume_matches_reference(setup, out)
+
+
+@pytest.mark.slow
+def test_a_signal_after_the_stop_message_is_ignored(tmp_path, setup):
+    """Ctrl-C, then Ctrl-C again once the stop line is printed (the process is exiting: jax's exit handlers run):
+    exit 0 with the stop line, no traceback."""
+    out = tmp_path / "run"
+    proc = paced_run(out, setup)
+    proc.send_signal(signal.SIGINT)
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if "stopped by SIGINT" in line:
+            proc.send_signal(signal.SIGINT)
+            break
+    rest = proc.stderr.read()
+    proc.wait(timeout=300)
+    stderr = "".join(seen) + rest
+    assert proc.returncode == 0, stderr[-3000:]
+    assert one_line(stderr).startswith("mlx-llm train: stopped by SIGINT at step ")
+
+
+@pytest.fixture
+def stray_signals():
+    """SIGINT and SIGTERM in this (pytest) process go to a recorder for the test's length, restored after it: a
+    signal the run under test did not catch is a failed assertion here, never a KeyboardInterrupt that takes the
+    pytest worker down with it (and the whole xdist session after it)."""
+    strays, previous = [], {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    for sig in previous:
+        signal.signal(sig, lambda signum, frame: strays.append(signal.Signals(signum).name))
+    yield strays
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+    assert strays == [], f"signals reached the test process outside the run: {strays}"
+
+
+def signal_while_writing(monkeypatch, strays, sig, every: bool = False):
     """orbax's background write of the first checkpoint (``every``: of each one) sends ``sig`` to this process,
-    then takes 0.3 s more: the signal arrives while a checkpoint is being written."""
+    then takes 0.3 s more: the signal arrives while a checkpoint is being written. Sent only while the training
+    loop's own handler (``loop.StopSignals``) is installed; a write after the command returned is recorded in
+    ``strays`` (the ``stray_signals`` fixture) instead: a write outliving its command is a defect, not a signal."""
     original, calls = orbax_pytree.BasePyTreeCheckpointHandler._write_metadata_file, []
 
     async def write(self, *args, **kwargs):
         calls.append(1)
         if every or len(calls) == 1:
-            os.kill(os.getpid(), sig)
+            if isinstance(getattr(signal.getsignal(sig), "__self__", None), loop_lib.StopSignals):
+                os.kill(os.getpid(), sig)
+            else:
+                strays.append(f"a checkpoint write outside the run ({sig.name} not sent)")
             time.sleep(0.3)
         return await original(self, *args, **kwargs)
 
@@ -125,12 +194,12 @@ def signal_while_writing(monkeypatch, sig, every: bool = False):
 
 
 @pytest.mark.slow
-def test_ctrl_c_during_a_checkpoint_write(tmp_path, setup, monkeypatch):
+def test_ctrl_c_during_a_checkpoint_write(tmp_path, setup, monkeypatch, stray_signals):
     """SIGINT while checkpoint 8 is written: the write completes (with its manifest), the run stops at the next
     boundary with the usual line, exit 0, no orbax traceback; the resume is exact. A second signal, during the
     stop's own checkpoint write, interrupts at once: one line, status 130, still no traceback."""
     out = tmp_path / "run"
-    signal_while_writing(monkeypatch, signal.SIGINT)
+    signal_while_writing(monkeypatch, stray_signals, signal.SIGINT)
     proc = cli_in_process(*args_for(setup, out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     stopped = Checkpoints(out).all_steps()[-1]
@@ -139,7 +208,7 @@ def test_ctrl_c_during_a_checkpoint_write(tmp_path, setup, monkeypatch):
     assert all(Checkpoints(out).damage(s) is None for s in Checkpoints(out).all_steps())
     resume_matches_reference(setup, out)
     monkeypatch.undo()
-    signal_while_writing(monkeypatch, signal.SIGINT, every=True)
+    signal_while_writing(monkeypatch, stray_signals, signal.SIGINT, every=True)
     proc = cli_in_process(*args_for(setup, tmp_path / "twice"))
     assert proc.returncode == 130
     assert one_line(proc.stderr) == ("mlx-llm train: interrupted; the last checkpoint is kept (continue with "
@@ -238,7 +307,7 @@ def test_a_checkpoint_without_its_manifest_is_refused_unless_trusted(tmp_path, s
 
 
 @pytest.mark.slow
-def test_a_post_training_run_stops_the_same_way(tmp_path, base_run, monkeypatch):
+def test_a_post_training_run_stops_the_same_way(tmp_path, base_run, monkeypatch, stray_signals):
     """Every post-training command trains in the same loop: SIGTERM stops an SFT run at a step boundary with its
     checkpoint, names `mlx-llm sft ... --resume`, exits 0; the resumed run is the uninterrupted one. Its
     checkpoint without the manifest is refused as in pretraining (when restored, under the run's lock: only the
@@ -248,7 +317,7 @@ def test_a_post_training_run_stops_the_same_way(tmp_path, base_run, monkeypatch)
               "--eval-interval", 12, "--log-interval", 1, "--no-progress"]
     ref, out = tmp_path / "reference", tmp_path / "run"
     assert cli_in_process("sft", "--out", ref, *common).returncode == 0
-    signal_while_writing(monkeypatch, signal.SIGTERM)
+    signal_while_writing(monkeypatch, stray_signals, signal.SIGTERM)
     proc = cli_in_process("sft", "--out", out, *common)
     assert proc.returncode == 0, proc.stderr[-3000:]
     stopped = Checkpoints(out).all_steps()[-1]

@@ -222,9 +222,17 @@ def test_a_checkpoint_directory_cannot_reach_outside_itself(hf_dir, tmp_path):
         (sharded({"model.norm.weight": ["a"]}), r"its weight_map must be an object mapping tensor names to shard"),
         (sharded({"model.norm.weight": ""}), r"names '', not a file name"),
     ]
+    secret = tmp_path / "secret.json"
+    secret.write_text("{}")
+
+    def linked(name):  # a fixed file name of the directory, a link to a file outside it
+        return lambda d: ((d / name).unlink(missing_ok=True), (d / name).symlink_to(secret))
+
+    cases += [(linked(name), rf"names '{name}', which is outside")
+              for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")]
     for k, (edit, message) in enumerate(cases):
         src = edited(hf_dir, tmp_path / f"hf{k}", edit)
-        with pytest.raises(CheckpointError, match=message) as info:
+        with pytest.raises((CheckpointError, DataError), match=message) as info:
             import_hf(src, tmp_path / "run")
         assert "\n" not in str(info.value) and not (tmp_path / "run").exists()
 
@@ -253,6 +261,7 @@ def test_imported_weights_must_be_finite_floats(hf_dir, tmp_path):
 @pytest.mark.parametrize("config, message", [
     ({"rope_parameters": "linear"}, r"rope_parameters = 'linear' is invalid: it must be an object"),
     ({"max_position_embeddings": 10**12}, r"max_seq_len = 1000000000000 is invalid"),
+    ({"tie_word_embeddings": "yes"}, r"tie_word_embeddings = 'yes' must be true or false"),
     ({"max_position_embeddings": 1e12}, r"max_seq_len = 1000000000000.0 is invalid"),
     ({"hidden_size": "64"}, r"gives no valid mlx_llm model: ModelConfig.d_model = '64' is invalid"),
     ({"num_attention_heads": 4, "head_dim": None, "hidden_size": [64]},

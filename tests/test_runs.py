@@ -17,10 +17,12 @@ from mlx_llm.runs.configs import DataSpec, DPOConfig, RewardConfig, RLConfig, SF
 from mlx_llm.runs.load import load_params, merge_run
 from mlx_llm.runs.record import FORMAT, BaseRef, RunRecord, migrate, open_run
 from mlx_llm.runs.resume import check_unchanged
-from helpers import snapshot
+from helpers import cli_in_process, snapshot
 
 LEGACY = Path(__file__).parent / "data" / "legacy_runs"
 LEGACY_ROOT = "/tmp/mlx_llm_legacy_runs"  # where main wrote them; relocated into each test's tmp_path
+PREMOVE = Path(__file__).parent / "data" / "premove_runs"  # written by the code before the rooms moved (README)
+PREMOVE_ROOT = "/tmp/mlx_llm_premove_runs"
 
 
 @pytest.fixture(scope="module")
@@ -179,3 +181,33 @@ def test_one_resume_rule_names_every_changed_field(legacy):
         check_unchanged(run, {"settings": {"beta": 0.5}, "lora": {"rank": 4}})
     with pytest.raises(ConfigError, match=r"train.lr \(given 0.1"):
         check_unchanged(run, {"train": {"lr": 0.1}})
+
+
+# ----- runs written before the rooms moved ------------------------------------------------------------------------
+@pytest.mark.slow
+def test_runs_written_before_the_moves_open_resume_evaluate_and_export(tmp_path, monkeypatch):
+    """A pretraining run and a LoRA SFT run on it, written by the code before train/, runs/, post/ and the data
+    pipeline were split (tests/data/premove_runs/README.md): today's code opens them, extends each by resuming,
+    evaluates the base on its validation split, exports it to transformers' format and merges the adapters."""
+    root = tmp_path / "runs"
+    shutil.copytree(PREMOVE, root)
+    for record in root.glob("*/run.json"):
+        record.write_text(record.read_text().replace(PREMOVE_ROOT, str(root)))
+    monkeypatch.chdir(root)  # the base recorded its corpus as the relative path it was given
+    base, sft = root / "base", root / "sft_lora"
+    assert (open_run(base).kind, open_run(sft).kind, open_run(sft).record.base) == ("pretrain", "sft", BaseRef(str(base), 4))
+    before = jax.device_get(load_params(sft))
+    proc = cli_in_process("eval", "--run", base, "--cache-dir", tmp_path / "cache")
+    assert proc.returncode == 0 and "bits/byte" in proc.stdout, proc.stderr
+    proc = cli_in_process("export", "--run", base, "--to", tmp_path / "hf")
+    assert proc.returncode == 0 and (tmp_path / "hf" / "model.safetensors").is_file(), proc.stderr
+    merged = merge_run(sft, tmp_path / "merged")
+    chex.assert_trees_all_close(jax.device_get(load_params(merged)), before, rtol=0, atol=0)
+    # the LoRA run first: once its base has moved on, it is refused ("its base changed")
+    for args in (["sft", "--resume", "--out", sft, "--steps", 4],
+                 ["train", "--resume", "--out", base, "--steps", 6, "--cache-dir", tmp_path / "cache"]):
+        proc = cli_in_process(*args, "--no-progress")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert open_run(base).latest_step() == 6 and open_run(sft).latest_step() == 4
+    steps = [json.loads(line)["step"] for line in (base / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(steps) and steps[-1] == 6

@@ -151,7 +151,7 @@ def add_inspect(sub) -> None:
 
 def add_compare(sub) -> None:
     """compare: two groups of runs on one metric, with intervals and a p-value (eval/compare.py)."""
-    cp = sub.add_parser("compare", help="compare two groups of runs (one per seed) on a metric: means, 95 % "
+    cp = sub.add_parser("compare", help="compare two groups of runs (one per seed) on a metric: means, 95 %% "
                         "intervals, and the difference's interval and p-value (Welch's t-test, or paired by seed)")
     cp.add_argument("runs", nargs="+", type=Path, metavar="RUN", help="the first group's run directories")
     cp.add_argument("--against", nargs="+", type=Path, required=True, metavar="RUN",

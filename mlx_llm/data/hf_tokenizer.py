@@ -39,7 +39,7 @@ from mlx_llm.errors import ConfigError, DataError, InputError
 from mlx_llm.data.chat import ChatTemplate
 from mlx_llm.data.templates import JinjaTemplate, TemplateTooCostly
 from mlx_llm.data import tokenizer as tok_lib
-from mlx_llm.settings import JsonProblem, read_json
+from mlx_llm.settings import JsonProblem, file_inside, read_json
 
 TOKENIZER_FILE, TOKENIZER_CONFIG_FILE = "tokenizer.json", "tokenizer_config.json"
 CHAT_TEMPLATE_FILE, HF_CONFIG_FILE = "chat_template.jinja", "config.json"
@@ -130,6 +130,7 @@ def run_tokenizer(run_dir, template: dict | None = None) -> tok_lib.Tokenizer:
 
 # ----- import -------------------------------------------------------------------------------------------------
 def _read_json(path: Path, required: bool) -> dict:
+    path = file_inside(path.parent, path.name, str(path.parent), DataError)  # a link may not lead out
     if not path.is_file():
         if required:
             raise DataError(f"{path.parent} has no {path.name}: an imported run needs the tokenizer that matches its "
@@ -210,7 +211,7 @@ def _mark_specials(obj: dict, tok_cfg: dict, roles: dict, hf_dir: Path) -> list[
 
 def _chat_template(hf_dir: Path, tok_cfg: dict) -> tuple[str | None, Path]:
     """(source or None, the file it came from): chat_template.jinja, else tokenizer_config.json's."""
-    jinja = hf_dir / CHAT_TEMPLATE_FILE
+    jinja = file_inside(hf_dir, CHAT_TEMPLATE_FILE, str(hf_dir), DataError)
     if jinja.is_file():
         try:
             return jinja.read_text(encoding="utf-8"), jinja

@@ -31,7 +31,7 @@ from mlx_llm.runs.rundir import check_new_dir, new_dir
 from mlx_llm.runs.load import checkpoint_step, load_params, write_checkpoint_run
 from mlx_llm.runs.record import RunRecord, open_run
 from mlx_llm.data import tokenizer as tok_lib
-from mlx_llm.settings import JsonProblem, read_json
+from mlx_llm.settings import JsonProblem, file_inside, read_json
 
 WEIGHTS_FILE, INDEX_FILE, CONFIG_FILE = "model.safetensors", "model.safetensors.index.json", "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -142,7 +142,7 @@ class HFModel:
 
 
 def _read_config(hf_dir: Path) -> dict:
-    path = hf_dir / CONFIG_FILE
+    path = file_inside(hf_dir, CONFIG_FILE, str(hf_dir), CheckpointError)
     if not path.is_file():
         raise CheckpointError(f"{str(hf_dir)!r} is not a transformers checkpoint directory: it has no {CONFIG_FILE}")
     try:
@@ -158,13 +158,7 @@ def _read_config(hf_dir: Path) -> dict:
 def inside(hf_dir: Path, name, what: str) -> Path:
     """``hf_dir / name`` for a file name read from the checkpoint directory (untrusted): it must resolve, links
     followed, to a regular file inside ``hf_dir``; anything else is refused by name."""
-    if not isinstance(name, str) or not name:
-        raise CheckpointError(f"{what} names {name!r}, not a file name")
-    root = hf_dir.resolve()
-    path = (hf_dir / name).resolve()
-    if Path(name).is_absolute() or not path.is_relative_to(root):
-        raise CheckpointError(f"{what} names {name!r}, which is outside {hf_dir}: a checkpoint directory's files "
-                              f"must lie inside it")
+    path = file_inside(hf_dir, name, what, CheckpointError)
     if not path.is_file():
         raise CheckpointError(f"{what} names {name!r}, which is not a file in {hf_dir}")
     return path

@@ -275,8 +275,11 @@ def _common_from_hf(hf: dict, source: str, tie_default: bool) -> dict:
     for key in ("vocab_size", "hidden_size", "num_hidden_layers"):
         if key not in hf:
             raise ConfigError(f"{source}: {key} is missing")
+    tie = hf.get("tie_word_embeddings", tie_default)
+    if not isinstance(tie, bool):
+        raise ConfigError(f"{source}: tie_word_embeddings = {tie!r} must be true or false")
     return {"vocab_size": hf["vocab_size"], "d_model": hf["hidden_size"], "n_layers": hf["num_hidden_layers"],
-            "tie_embeddings": bool(hf.get("tie_word_embeddings", tie_default))}
+            "tie_embeddings": tie}
 
 
 def _mamba_from_hf(hf: dict, source: str) -> dict:
