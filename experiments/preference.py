@@ -1,4 +1,4 @@
-"""Preference learning from an SFT run, for the same wall time each (U19 §11–§13, M20 §16): on-policy RL with the
+"""Preference learning from an SFT run, for the same steps or the same wall time each (U19 §11–§13, M20 §16): on-policy RL with the
 task's checker as reward under every estimator (group, grpo, dr_grpo, dapo, gspo, ppo: post/estimator.py), RL with
 a trained reward model as reward, and DPO; then the β sweep of the KL leash. Every method runs ``--seeds K`` seeds
 (``--seed`` 0 … K − 1: initial adapters, batches and samples), and the report gives each method's mean with its
@@ -8,7 +8,8 @@ through ``mlx-llm compare``'s ``eval.compare.compare``, paired by seed).
 The start is an SFT run on --task (--sft; default: `experiments.sft_tasks`'s recipe, the main job's model
 pretrained then fully fine-tuned for --sft-seconds). A Bradley–Terry reward model is trained from it first
 (--rm-seconds; pairs: correct answers against corruptions and the SFT model's own wrong samples). Each method then
-trains for --seconds of loop time (RL's sampling included) at a constant learning rate after warmup; DPO runs
+trains for --steps steps (equal steps: the comparison to make on a shared machine, where wall time measures the
+neighbours) or else for --seconds of loop time (RL's sampling included), at a constant learning rate after warmup; DPO runs
 twice, pure (M20 §16) and with the chosen-reply NLL term (``nll_weight`` 1, RPO). Reported per method and seed:
 held-out exact match (--eval-examples problems, greedy), KL(π ‖ π_SFT) on held-out prompts (one sampled reply
 each, k1), steps, and the per-step curves (RL: mean checker reward of its samples and the KL of its samples to the
@@ -20,6 +21,9 @@ against KL (leash_frontier.png). Writes results.json into --out and experiments/
     python -m experiments.preference --out runs/preference [--sft RUN] [--seconds 180] [--seeds 3]
     python -m experiments.preference --out runs/preference --only rl_checker,rl_grpo,rl_dr_grpo,rl_dapo,rl_gspo,rl_ppo \
         --seeds 5 --save preference_algorithms
+
+A method's seed whose run directory already holds a summary is read back, not trained again, so a comparison can be
+built over several commands (one method each) into the same --out and reported by the last.
 """
 
 from __future__ import annotations
@@ -54,10 +58,20 @@ RL_ALGORITHMS = {"rl_checker": "group", "rl_grpo": "grpo", "rl_dr_grpo": "dr_grp
 METHODS = (*RL_ALGORITHMS, "rl_reward_model", "dpo", "dpo_nll")
 
 
-def timed(tcfg, **changes):
-    """A constant learning rate after warmup (final fraction 1), evaluation only at the end."""
-    return dataclasses.replace(tcfg, steps=LONG, final_lr_fraction=1.0, eval_interval=LONG,
+def timed(tcfg, steps: int | None = None, **changes):
+    """A constant learning rate after warmup (final fraction 1), evaluation only at the end; ``steps`` steps, or
+    (None) more than any timed run reaches."""
+    return dataclasses.replace(tcfg, steps=steps or LONG, final_lr_fraction=1.0, eval_interval=LONG,
                                checkpoint_interval=LONG, **changes)
+
+
+def finished(run: Path) -> dict | None:
+    """The summary of a run that already ended (its summary.json holds the held-out accuracy), else None."""
+    path = run / "summary.json"
+    if not path.exists():
+        return None
+    summary = json.loads(path.read_text())
+    return summary if "heldout_accuracy" in summary else None
 
 
 def sft_start(out: Path, task: str, seconds: float) -> Path:
@@ -190,6 +204,11 @@ def main() -> None:
     ap.add_argument("--sft-seconds", type=float, default=120.0)
     ap.add_argument("--rm-seconds", type=float, default=60.0)
     ap.add_argument("--seconds", type=float, default=180.0, help="loop time of each compared method and seed")
+    ap.add_argument("--steps", type=int, help="steps of each compared method and seed (equal steps; overrides "
+                    "--seconds)")
+    ap.add_argument("--k", type=int, help="RL: replies per prompt (default: the estimator's)")
+    ap.add_argument("--lr", type=float, help="learning rate of every method (default: the recipe's)")
+    ap.add_argument("--seq-len", type=int, help="sequence length (default: the recipe's; at most the model's)")
     ap.add_argument("--seeds", type=int, default=3, help="seeds of each method (--seed 0 … K − 1)")
     ap.add_argument("--betas", default="0.01,0.05,0.2,1.0")
     ap.add_argument("--beta-seconds", type=float, default=60.0)
@@ -218,32 +237,40 @@ def main() -> None:
     sft = args.sft or sft_start(args.out, args.task, args.sft_seconds)
     quiet = dict(show_progress=False, log=lambda *a: None)
     n_eval, n_pairs = args.eval_examples, args.train_examples
-    batch = {} if args.batch_size is None else {"batch_size": args.batch_size}
+    if args.steps is not None and args.steps < 1:
+        ap.error(f"--steps {args.steps}: at least 1")
+    batch = {name: value for name, value in (("batch_size", args.batch_size), ("lr", args.lr),
+                                             ("seq_len", args.seq_len)) if value is not None}
+    seconds = None if args.steps else args.seconds  # equal steps: no time limit
+    rl_k = {} if args.k is None else {"k": args.k}
     rm = None
     if "rl_reward_model" in only:
-        rm = reward_run(args.out / "reward", sft, tcfg=timed(PREF_TRAIN["reward"]), max_seconds=args.rm_seconds,
+        rm_tcfg = timed(PREF_TRAIN["reward"], **{k: v for k, v in batch.items() if k == "seq_len"})
+        rm = reward_run(args.out / "reward", sft, tcfg=rm_tcfg, max_seconds=args.rm_seconds,
                         settings=RewardConfig(task=args.task, model_negatives=True, n_train=n_pairs), **quiet)
         print(f"reward model: held-out preference accuracy {rm['val_accuracy']:.3f} after {rm['steps']} steps",
               flush=True)
 
     def rl(algorithm="group", **settings):
-        return lambda out, s, seed: rl_run(out, sft, tcfg=timed(PREF_TRAIN["rl"], seed=seed, **batch), max_seconds=s,
-                                           settings=RLConfig(task=args.task, algorithm=algorithm,
-                                                             eval_examples=n_eval, **settings), **quiet)
+        return lambda out, s, seed: rl_run(out, sft, tcfg=timed(PREF_TRAIN["rl"], args.steps, seed=seed, **batch),
+                                           max_seconds=s, settings=RLConfig(task=args.task, algorithm=algorithm,
+                                                                            eval_examples=n_eval, **rl_k, **settings),
+                                           **quiet)
 
     def dpo(**settings):
-        return lambda out, s, seed: dpo_run(out, sft, tcfg=timed(PREF_TRAIN["dpo"], seed=seed, **batch),
+        return lambda out, s, seed: dpo_run(out, sft, tcfg=timed(PREF_TRAIN["dpo"], args.steps, seed=seed, **batch),
                                             max_seconds=s, settings=DPOConfig(
                                                 task=args.task, model_negatives=True, n_train=n_pairs,
                                                 eval_examples=n_eval, **settings), **quiet)
 
     runs = {**{name: rl(algorithm) for name, algorithm in RL_ALGORITHMS.items()},
             "rl_reward_model": rl(reward_model=args.out / "reward"), "dpo": dpo(), "dpo_nll": dpo(nll_weight=1.0)}
-    results = {"sft": str(sft), "task": args.task, "seconds": args.seconds, "seeds": args.seeds, "reward_model": rm}
+    results = {"sft": str(sft), "task": args.task, "seconds": seconds, "steps": args.steps, "seeds": args.seeds,
+               "reward_model": rm, "arguments": common.arguments(args)}
     for name in only:
         per_seed = []
         for seed, run in enumerate(seed_runs(args.out, name, args.seeds)):
-            summary = runs[name](run, args.seconds, seed)
+            summary = finished(run) or runs[name](run, seconds, seed)
             per_seed.append({"heldout_accuracy": summary["heldout_accuracy"],
                              "sft_heldout_accuracy": summary["base_heldout_accuracy"], "steps": summary["steps"],
                              "kl_to_sft": heldout_kl(run, sft, args.task)})
