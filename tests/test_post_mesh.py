@@ -1,4 +1,4 @@
-"""The one training loop for every run kind: reward, DPO and RL runs (every estimator) on a 2-device mesh
+"""The one training loop for every run kind: reward, DPO and RL runs (each loss aggregation) on a 2-device mesh
 (`--mesh data=2`) with gradient accumulation give the losses of one device; `--eval-tokens` changes what
 post-training evaluates."""
 
@@ -21,8 +21,10 @@ RL = ["rl", "--task", "arithmetic", "--train-examples", "16", "--batch-size", "2
 KINDS = {"reward": ["reward", "--task", "arithmetic", "--train-examples", "64", "--batch-size", "4"],
          "dpo": ["dpo", "--task", "arithmetic", "--train-examples", "64", "--batch-size", "4", "--eval-examples", "2",
                  "--beta", "0.5"],
-         "rl": RL,  # the group trainer; then every other estimator, full fine-tuning (LoRA: test_preference_runs)
-         **{f"rl_{a}": [*RL, "--algorithm", a] for a in ("grpo", "dr_grpo", "dapo", "gspo")},
+         "rl": RL,  # the group trainer (seq-mean-token-sum); then the other aggregations and batch changes, full
+         # fine-tuning (LoRA: test_preference_runs): grpo (sequence, the KL in the loss; gspo and dr_grpo reduce as
+         # grpo and group do at step 1), dapo (token, dynamic sampling), ppo (minibatches of the rollout)
+         **{f"rl_{a}": [*RL, "--algorithm", a] for a in ("grpo", "dapo")},
          "rl_ppo": [*RL, "--algorithm", "ppo", "--epochs", "2", "--minibatches", "2", "--batch-size", "4"]}
 COMMON = ["--steps", "2", "--warmup-steps", "1", "--seq-len", "64", "--eval-interval", "2", "--log-interval", "1",
           "--no-progress"]

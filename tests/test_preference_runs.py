@@ -99,7 +99,10 @@ def resumed_equals_uninterrupted(sft_start, tmp_path, settings: RLConfig):
     return full
 
 
-RESUMED = {"group": dict(beta=0.1), "grpo": dict(beta=0.1), "dr_grpo": {}, "dapo": {}, "gspo": dict(epochs=2, minibatches=2),
+# every estimator's own state and path through a resume: no clip (group), the KL in the loss (grpo), dynamic
+# sampling's extra rounds (dapo), epochs × minibatches of a sequence ratio (gspo), the value head (ppo). dr_grpo is
+# grpo's path with other defaults (no KL, no std division) and holds nothing of its own.
+RESUMED = {"group": dict(beta=0.1), "grpo": dict(beta=0.1), "dapo": {}, "gspo": dict(epochs=2, minibatches=2),
            "ppo": dict(beta=0.1, epochs=2, minibatches=2)}
 
 
