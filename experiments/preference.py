@@ -19,8 +19,8 @@ against KL (leash_frontier.png). Writes results.json into --out and experiments/
 (``--save``).
 
     python -m experiments.preference --out runs/preference [--sft RUN] [--seconds 180] [--seeds 3]
-    python -m experiments.preference --out runs/preference --only rl_checker,rl_grpo,rl_dr_grpo,rl_dapo,rl_gspo,rl_ppo \
-        --seeds 5 --save preference_algorithms
+    python -m experiments.preference --out OUT --sft SFT --only rl_checker,rl_grpo,rl_dr_grpo,rl_dapo,rl_gspo,rl_ppo \
+        --seeds 3 --steps 20 --batch-size 8 --k 4 --lr 1e-4 --seq-len 64 --eval-examples 200 --save preference_algorithms
 
 A method's seed whose run directory already holds a summary is read back, not trained again, so a comparison can be
 built over several commands (one method each) into the same --out and reported by the last.
