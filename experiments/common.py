@@ -313,3 +313,91 @@ def arguments(args) -> dict:
 
 def _plain(value):
     return str(value) if isinstance(value, Path) else value
+
+
+# ----- seeds: every comparison is over K seeds per arm --------------------------------------------------------------
+MIN_SEEDS = 3  # a comparison script's default never goes below this
+
+
+def add_seeds_argument(ap, default: int = MIN_SEEDS) -> None:
+    """``--seeds K``: runs per arm, seeds 0 … K − 1 (``TrainConfig.seed``: initial parameters and data order)."""
+    ap.add_argument("--seeds", type=int, default=default,
+                    help=f"runs per arm, seeds 0 … K−1 (default {default}; at least 2 for an interval)")
+
+
+def check_seeds(seeds: int, what: str = "--seeds") -> int:
+    """``seeds`` itself, or one line (SystemExit) when it cannot give an interval."""
+    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 2:
+        raise SystemExit(f"{what} {seeds!r} is too few: a mean's interval over seeds needs at least 2 runs per arm")
+    return seeds
+
+
+def run_seeds(arms, seeds: int, run: Callable[[str, int], dict]) -> list[dict]:
+    """``run(arm, seed)`` for every arm and seed, seed-major (every arm of seed 0, then of seed 1, …, so that a
+    drift in the machine's speed touches every arm alike); each returned row gets its ``arm`` and ``seed``."""
+    return [{**run(arm, seed), "arm": arm, "seed": seed} for seed in range(check_seeds(seeds)) for arm in arms]
+
+
+def seed_statistics(rows: list[dict], metric: str, baseline: str | None = None, paired: bool = True) -> dict:
+    """Per arm (in first-seen order): every run's value of ``metric`` by seed, their summary (mean, std, 95 %
+    interval) and, for every arm but ``baseline``, its difference from the baseline (paired by seed: the same
+    seed is the same data order and initialisation; else Welch's test) with the p-value and the verdict."""
+    from mlx_llm import stats
+
+    arms = list(dict.fromkeys(r["arm"] for r in rows))
+    by_arm = {a: sorted((r for r in rows if r["arm"] == a), key=lambda r: r["seed"]) for a in arms}
+    out = {}
+    for arm, runs in by_arm.items():
+        values = [float(r[metric]) for r in runs]
+        entry = {"runs": [{"seed": r["seed"], metric: float(r[metric])} for r in runs],
+                 "summary": stats.summarize(values, arm).as_dict()}
+        if baseline is not None and arm != baseline:
+            base = [float(r[metric]) for r in by_arm[baseline]]
+            if paired and [r["seed"] for r in runs] != [r["seed"] for r in by_arm[baseline]]:
+                raise ValueError(f"{arm} and {baseline} ran other seeds: a paired difference needs the same ones")
+            d = (stats.paired if paired else stats.welch)(values, base)
+            entry["vs_baseline"] = {**d.as_dict(), "significant": d.significant}
+        out[arm] = entry
+    return {"metric": metric, "baseline": baseline, "arms": out}
+
+
+def seed_lines(result: dict, digits: int = 4) -> list[str]:
+    """A line per arm: mean ± half-interval (n), and the difference from the baseline in words."""
+    from mlx_llm import stats
+
+    lines = []
+    width = max(len(a) for a in result["arms"])
+    for arm, entry in result["arms"].items():
+        s = entry["summary"]
+        line = f"{arm:>{width}}: {stats.describe(stats.Summary(s['n'], s['mean'], s['std'], tuple(s['ci95'])), digits)}"
+        if "vs_baseline" in entry:
+            d = entry["vs_baseline"]
+            line += f"  vs {result['baseline']}: " + stats.verdict(
+                stats.Difference(d["mean"], tuple(d["ci95"]), d["p_value"], d["test"]), digits)
+        lines.append(line)
+    return lines
+
+
+def seed_errorbars(result: dict, path, ylabel: str | None = None) -> Path:
+    """Each arm's mean with its 95 % interval as an error bar, every run's value as a dot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = list(result["arms"])
+    fig, ax = plt.subplots(figsize=(max(4.0, 1.1 * len(arms) + 2), 3.6))
+    for i, arm in enumerate(arms):
+        entry = result["arms"][arm]
+        s = entry["summary"]
+        ax.errorbar([i], [s["mean"]], yerr=[[s["mean"] - s["ci95"][0]], [s["ci95"][1] - s["mean"]]], fmt="o",
+                    capsize=5, color="C0")
+        ax.plot([i] * len(entry["runs"]), [r[result["metric"]] for r in entry["runs"]], ".", color="0.5")
+    ax.set_xticks(range(len(arms)), arms, rotation=20 if len(arms) > 4 else 0)
+    ax.set_ylabel(ylabel or result["metric"])
+    ax.set_title("mean and 95 % interval over seeds (dots: the runs)", fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

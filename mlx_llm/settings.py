@@ -104,6 +104,17 @@ def file_inside(directory: str | os.PathLike, name, what: str, error: type[Excep
     return path
 
 
+def load_json(path: str | os.PathLike, what: str, error: type[Exception]) -> Any:
+    """``read_json(path)``, or ``error`` in one line naming ``what``: not valid JSON (the parser's complaint), or
+    why it cannot be used (its line when known)."""
+    try:
+        return read_json(path)
+    except JsonProblem as exc:
+        if exc.syntax is not None:
+            raise error(f"{what} is not valid JSON: {exc.syntax}") from None
+        raise error(f"{what} cannot be used: {exc.detail}" + (f" (line {exc.line})" if exc.line else "")) from None
+
+
 def read_json(path: str | os.PathLike, max_bytes: int = MAX_JSON_BYTES) -> Any:
     """``parse_json`` of a UTF-8 file of at most ``max_bytes``; every failure (missing, unreadable, too large, not
     UTF-8, not usable JSON) is one ``JsonProblem`` line naming the file."""
@@ -159,13 +170,7 @@ class JsonConfig:
         what = f"{cls.__name__} file {str(path)!r}"
         if not path.exists():
             raise ConfigError(f"{what} does not exist")
-        try:
-            data = read_json(path)
-        except JsonProblem as exc:
-            if exc.syntax is not None:
-                raise ConfigError(f"{what} is not valid JSON: {exc.syntax}") from None
-            raise ConfigError(f"{what} cannot be used: {exc.detail}" + (f" (line {exc.line})" if exc.line else "")
-                              ) from None
+        data = load_json(path, what, ConfigError)
         return cls.from_dict(data, source=str(path))
 
     def to_json(self, path: str | os.PathLike) -> None:

@@ -167,6 +167,7 @@ def test_a_template_that_costs_too_much_is_refused_at_import_in_one_line(tmp_pat
     assert jinja(PLAIN).render(CONV).startswith("<|system|>Be brief.")  # the next template renders as usual
 
 
+@pytest.mark.slow
 def test_a_conversation_that_makes_a_template_too_costly_is_refused_alone(tmp_path):
     """A template that loops over each content twice imports (its probes are short); a conversation with a
     100,000-character message would take 10¹⁰ iterations: that conversation is refused (sft names its line, chat

@@ -95,3 +95,49 @@ def test_script_imports_as_a_module(name, monkeypatch):
     monkeypatch.setattr(sys, "argv", [name, "--not-an-option-of-any-script"])
     module = importlib.import_module(f"experiments.{name}")
     assert Path(module.__file__).resolve() == REPO / "experiments" / f"{name}.py"
+
+
+def test_seeds_run_seed_major_and_give_paired_statistics(common, tmp_path):
+    """run_seeds calls every arm of seed 0, then of seed 1 …; seed_statistics holds every run's value, each arm's
+    summary and the paired difference from the baseline, equal to SciPy's paired t-test (and Welch's unpaired)."""
+    from scipy import stats as sp
+
+    calls = []
+    values = {"base": [1.00, 1.10, 0.95], "new": [0.97, 1.06, 0.93]}
+
+    def run(arm, seed):
+        calls.append((arm, seed))
+        return {"bpb": values[arm][seed]}
+
+    rows = common.run_seeds(["base", "new"], 3, run)
+    assert calls == [("base", 0), ("new", 0), ("base", 1), ("new", 1), ("base", 2), ("new", 2)]
+    result = common.seed_statistics(rows, "bpb", baseline="base")
+    assert result["arms"]["new"]["runs"] == [{"seed": s, "bpb": v} for s, v in enumerate(values["new"])]
+    s = result["arms"]["base"]["summary"]
+    assert s["n"] == 3 and s["mean"] == pytest.approx(sum(values["base"]) / 3, abs=1e-12)
+    assert "vs_baseline" not in result["arms"]["base"]
+    d = result["arms"]["new"]["vs_baseline"]
+    ref = sp.ttest_rel(values["new"], values["base"])
+    assert d["test"] == "paired" and d["p_value"] == pytest.approx(ref.pvalue, rel=1e-9)
+    assert d["mean"] == pytest.approx(-0.03, abs=1e-12) and d["significant"] == (ref.pvalue < 0.05)
+    welch = common.seed_statistics(rows, "bpb", baseline="base", paired=False)["arms"]["new"]["vs_baseline"]
+    assert welch["p_value"] == pytest.approx(sp.ttest_ind(values["new"], values["base"], equal_var=False).pvalue,
+                                             rel=1e-9)
+    lines = common.seed_lines(result)
+    assert lines[0].startswith("base: 1.0167 ± ") and "(n = 3)" in lines[0]
+    assert "vs base: -0.0300 [" in lines[1] and ("not significant" in lines[1]) == (ref.pvalue >= 0.05)
+    path = common.seed_errorbars(result, tmp_path / "bars.png", "val bits/byte")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("seeds", [1, 0, -3, True, 2.5])
+def test_too_few_seeds_are_one_line(common, seeds):
+    with pytest.raises(SystemExit, match=f"--seeds {seeds!r} is too few: a mean's interval over seeds needs at least 2"):
+        common.check_seeds(seeds)
+
+
+def test_a_paired_difference_needs_the_same_seeds(common):
+    rows = [{"arm": "a", "seed": 0, "m": 1.0}, {"arm": "a", "seed": 1, "m": 2.0},
+            {"arm": "b", "seed": 1, "m": 1.5}, {"arm": "b", "seed": 2, "m": 2.5}]
+    with pytest.raises(ValueError, match="b and a ran other seeds"):
+        common.seed_statistics(rows, "m", baseline="a")

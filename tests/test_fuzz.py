@@ -6,6 +6,8 @@ refused command leaves its --out (or the run it read) exactly as it was."""
 import json
 import shutil
 import string
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -61,6 +63,11 @@ def text_file(tmp_path_factory):
     return path
 
 
+def fresh(tmp_path) -> Path:
+    """A new directory for one example: hypothesis runs every example of a test in the same ``tmp_path``."""
+    return Path(tempfile.mkdtemp(dir=tmp_path))
+
+
 def drawn_flags(draw, command: str, n: int) -> list:
     chosen = draw(st.lists(st.sampled_from(flags_of(command)), max_size=n))
     argv = []
@@ -72,7 +79,7 @@ def drawn_flags(draw, command: str, n: int) -> list:
 @SETTINGS
 @given(data=st.data())
 def test_train_flags(tmp_path, text_file, data):
-    out = tmp_path / f"run{data.draw(st.integers(0, 10**9))}"
+    out = fresh(tmp_path) / "run"
     argv = drawn_flags(data.draw, "train", 4)
     proc = cli_in_process("train", *argv, "--out", out, "--data", text_file, "--tokenizer", "byte",
                           "--cache-dir", tmp_path / "cache", *TINY, *BOUNDS)
@@ -87,6 +94,7 @@ def test_train_flags(tmp_path, text_file, data):
 def test_other_commands_flags(tmp_path, base_run, command, data):
     """Every other subcommand with random flags, reading the shared tiny run (which must stay unchanged)."""
     before = snapshot(base_run)
+    tmp_path = fresh(tmp_path)
     argv = drawn_flags(data.draw, command, 4)
     fixed = {"eval": ["--run", base_run], "generate": ["--run", base_run, "--max-new-tokens", "2"],
              "eval-task": ["--run", base_run, "--task", "arithmetic", "--examples", "2"],
@@ -133,6 +141,7 @@ def near_valid(kind: str):
 @given(kind=st.sampled_from(["config", "train_config", "mixture", "jsonl", "npy", "bin", "parquet"]), data=st.data())
 def test_training_files(tmp_path, text_file, kind, data):
     """Model and train configs, mixture files, JSONL records, token shards and parquet, random or nearly valid."""
+    tmp_path = fresh(tmp_path)
     shutil.copy(text_file, tmp_path / "t.txt")
     content = data.draw(CONTENT | near_valid(kind) if kind in ("config", "train_config", "mixture") else CONTENT)
     suffix = {"config": ".json", "train_config": ".json", "mixture": ".json", "jsonl": ".jsonl", "npy": ".npy",
@@ -159,7 +168,7 @@ def test_training_files(tmp_path, text_file, kind, data):
 def test_run_files(tmp_path, base_run, name, content):
     """A run directory whose files were damaged or replaced: eval / generate / --resume refuse in one line and
     change nothing."""
-    run = tmp_path / "run"
+    run = fresh(tmp_path) / "run"
     shutil.copytree(base_run, run)
     (run / name).write_bytes(content)
     before = snapshot(run)
@@ -191,6 +200,7 @@ def hf_export(tmp_path_factory):
 def test_hf_files(tmp_path, hf_export, name, content):
     """A transformers checkpoint directory with one file replaced: import refuses in one line (or imports) and
     never writes a partial run."""
+    tmp_path = fresh(tmp_path)
     src = tmp_path / "hf"
     shutil.copytree(hf_export, src)
     if name == "model.safetensors.index.json":

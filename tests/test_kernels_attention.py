@@ -135,6 +135,7 @@ def test_unknown_and_wrong_backend_kernels_are_refused():
     assert Kernels(attention_impl="splash", interpret=True).resolve("cpu").attention_impl == "splash"
 
 
+@pytest.mark.slow
 def test_auto_resolves_per_backend():
     auto = TrainConfig().kernels()
     assert [auto.resolve(p).attention_impl for p in ("cpu", "gpu", "tpu")] == ["auto", "pallas_gpu", "splash"]

@@ -163,6 +163,7 @@ def causal_params():
     return init_params(CAUSAL_CFG, jax.random.key(1), dtype=jnp.float64)
 
 
+@pytest.mark.slow
 @settings(max_examples=20, deadline=None)
 @given(tokens=st.lists(st.integers(0, 10), min_size=2, max_size=12), data=st.data())
 def test_future_tokens_never_change_earlier_rows(tokens, data):

@@ -314,6 +314,7 @@ def test_generate_greedy_matches_argmax_of_forward():
     assert out.tokens[0].tolist() == seq[0, 3:].tolist()
 
 
+@pytest.mark.slow
 def test_public_api_at_the_package_root():
     import mlx_llm
     from mlx_llm.decode.generate import generate as generate_fn

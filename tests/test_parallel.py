@@ -271,6 +271,7 @@ def test_two_processes_equal_one_process(two_process_runs):
     assert "run:" in stdouts[0] and (two / "sample.txt").is_file()
 
 
+@pytest.mark.slow
 def test_bad_multiprocess_settings_are_refused(monkeypatch, tmp_path):
     from mlx_llm.train.parallel import init_distributed
 

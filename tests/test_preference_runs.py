@@ -2,6 +2,7 @@
 run, exact resume, the CLI, and refusals that leave nothing behind."""
 
 import json
+import math
 import shutil
 
 import chex
@@ -21,11 +22,11 @@ from mlx_llm.runs.record import open_run
 from helpers import snapshot
 from tiny_runs import SFT
 
-pytestmark = pytest.mark.slow  # every test starts from the shared 4,000-step SFT run (conftest.py)
+pytestmark = pytest.mark.slow  # every test starts from the committed 4,000-step SFT run (conftest.py)
 
 QUIET = dict(show_progress=False, log=lambda *a: None)
 TASK = "arithmetic"
-PPO_STEPS, PPO_LR = 200, 1e-4
+PPO_STEPS, PPO_LR = 40, 1e-4
 
 
 def tiny(**changes):
@@ -35,7 +36,8 @@ def tiny(**changes):
 
 @pytest.fixture(scope="module")
 def sft_start(arithmetic_sft):
-    """The tiny base taught arithmetic by 4,000 full SFT steps (conftest.py): the start of every preference run."""
+    """The tiny base taught arithmetic by 4,000 full SFT steps (tests/data/arithmetic_sft, copied by conftest.py):
+    the start of every preference run."""
     return arithmetic_sft
 
 
@@ -64,25 +66,41 @@ def test_reward_model_prefers_correct_answers_on_heldout_pairs(reward_model, sft
         load_params(run)
 
 
-def test_dpo_raises_heldout_exact_match_above_its_sft_start(sft_start, tmp_path):
-    """DPO on correct-vs-corrupted pairs with the chosen-reply NLL term (α = 1; pure DPO lowers exact match on
-    these one-digit-apart pairs, README): more held-out problems right than the SFT start, greedy, all 1,000."""
+def test_dpo_ranks_heldout_pairs_and_keeps_exact_match(sft_start, tmp_path):
+    """DPO on correct-vs-corrupted pairs with the chosen-reply NLL term (α = 1), 60 steps of 16 pairs from the
+    committed SFT start: the implicit reward ranks the held-out pairs above chance (its own objective: 0.553 of
+    1,000, a binomial z of 3.3; loss below ln 2), and greedy exact match on the held-out problems stays where it
+    was (0.239 → 0.241 measured; pure DPO lowers it, docs/post-training.md). Whether DPO raises exact match is a
+    claim about seeds: experiments/preference.py."""
     settings = DPOConfig(task=TASK, beta=0.1, nll_weight=1.0, n_train=2000, eval_examples=None)
-    summary = dpo_run(tmp_path / "dpo", sft_start, settings=settings, tcfg=tiny(steps=60, batch_size=16, lr=3e-4, warmup_steps=5,
-                                                    eval_interval=60, checkpoint_interval=60), **QUIET)
-    assert summary["heldout_accuracy"] >= summary["base_heldout_accuracy"] + 0.01, summary  # 21.9 % → 23.8 %
-    assert summary["val_margin"] > 0 and summary["val_accuracy"] > 0.5, summary  # the implicit reward ranks pairs
+    summary = dpo_run(tmp_path / "dpo", sft_start, settings=settings, tcfg=tiny(steps=60, batch_size=16, lr=3e-4,
+                                                                                 warmup_steps=5, eval_interval=60,
+                                                                                 checkpoint_interval=60), **QUIET)
+    assert summary["val_margin"] > 0 and summary["val_accuracy"] > 0.52, summary
+    assert summary["val_loss"] < math.log(2), summary
+    assert summary["heldout_accuracy"] >= summary["base_heldout_accuracy"] - 0.01, summary
 
 
-def test_rl_raises_heldout_exact_match_above_its_sft_start(sft_start, tmp_path):
-    """On-policy RL with the checker's reward, 150 steps of 16 prompts × 8 replies, β = 0.05. (At lr 1e-3, or
-    3e-4 for 60 steps, exact match stays put or falls: Adam's first steps move every weight by about lr whatever
-    the gradient's noise; README.)"""
-    summary = rl_run(tmp_path / "rl", sft_start, settings=RLConfig(task=TASK, beta=0.05, k=8, eval_examples=None),
-                     tcfg=tiny(steps=150, batch_size=16, lr=1e-4, warmup_steps=5, eval_interval=150,
-                               checkpoint_interval=150), **QUIET)
-    assert summary["heldout_accuracy"] >= summary["base_heldout_accuracy"] + 0.01, summary  # 21.9 % → 23.6 %
+def rl_rows(run) -> list[dict]:
+    return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "reward" in r]
+
+
+def test_rl_moves_the_policy_on_its_leash(sft_start, tmp_path):
+    """On-policy RL (group baseline) with the checker's reward, 40 steps of 16 prompts × 8 replies, β = 0.05,
+    lr 1e-4, from the committed SFT start: the sampled replies' KL to the reference starts at 0 (policy =
+    reference) and grows but stays small (the leash), the replies keep their length, and greedy exact match on
+    200 held-out problems stays near the start. What RL buys is a claim about seeds (experiments/preference.py:
+    one 150-step draw moved exact match 0.239 → 0.240); that each estimator reaches the leash's fixed point is
+    checked in closed form on the bandits."""
+    summary = rl_run(tmp_path / "rl", sft_start, settings=RLConfig(task=TASK, beta=0.05, k=8, eval_examples=200),
+                     tcfg=tiny(steps=40, batch_size=16, lr=1e-4, warmup_steps=5, eval_interval=40,
+                               checkpoint_interval=40), **QUIET)
+    rows = rl_rows(tmp_path / "rl")
+    assert len(rows) == 40 and abs(rows[0]["kl"]) < 1e-5
+    late_kl = sum(r["kl"] for r in rows[-10:]) / 10
+    assert 1e-3 < late_kl < 0.5, late_kl
     assert 0 < summary["kl"] < 1.0 and summary["response_length"] > 1, summary
+    assert summary["heldout_accuracy"] >= summary["base_heldout_accuracy"] - 0.03, summary
 
 
 def resumed_equals_uninterrupted(sft_start, tmp_path, settings: RLConfig):
@@ -124,20 +142,24 @@ def test_resumed_rl_run_replays_the_same_samples_and_parameters(sft_start, tmp_p
     assert cli.main(["rl", "--resume", "--out", str(full), "--clip", "0.3"]) == 2  # not the run's setting
 
 
-def test_ppo_raises_heldout_exact_match_above_its_sft_start(sft_start, tmp_path):
-    """PPO (``--algorithm ppo``) with the checker's reward from the SFT start: a value head, GAE, 2 epochs of
-    2 minibatches per rollout of 16 prompts × 4 replies, 200 rollouts at lr 1e-4, β = 0.05; more held-out problems
-    right than the start, greedy, all 1,000 (measured 21.9 % → 24.9 %; at 100 rollouts 21.9 %, at lr 3e-4 22.7 %,
-    with 4 epochs of 4 minibatches 18.3 %)."""
-    settings = RLConfig(task=TASK, algorithm="ppo", beta=0.05, k=4, epochs=2, minibatches=2, eval_examples=None)
+def test_ppo_stays_on_its_leash_with_clipped_updates(sft_start, tmp_path):
+    """PPO (``--algorithm ppo``) with the checker's reward from the committed SFT start: a value head, GAE, 2 epochs
+    of 2 minibatches per rollout of 16 prompts × 4 replies, 40 rollouts at lr 1e-4, β = 0.05. Every step logs the
+    policy and value losses, the clipped fraction (in [0, 0.5)) and k3's approximate KL (never negative); the
+    sampled replies' KL to the reference grows from 0 and stays small; greedy exact match on 200 held-out problems
+    stays near the start (one 200-rollout draw: 0.239 → 0.252; over seeds: experiments/preference.py)."""
+    settings = RLConfig(task=TASK, algorithm="ppo", beta=0.05, k=4, epochs=2, minibatches=2, eval_examples=200)
     summary = rl_run(tmp_path / "ppo", sft_start, settings=settings,
                      tcfg=tiny(steps=PPO_STEPS, batch_size=16, lr=PPO_LR, warmup_steps=5, eval_interval=PPO_STEPS,
                                checkpoint_interval=PPO_STEPS), **QUIET)
-    assert summary["heldout_accuracy"] >= summary["base_heldout_accuracy"] + 0.01, summary
-    assert 0 <= summary["kl"] < 1.0 and summary["response_length"] > 1, summary
-    rows = [json.loads(line) for line in (tmp_path / "ppo" / "metrics.jsonl").read_text().splitlines()]
+    rows = rl_rows(tmp_path / "ppo")
     assert {"policy_loss", "value_loss", "clip_fraction", "approx_kl", "reply_tokens", "reward"} <= set(rows[0])
-    assert 0 <= rows[0]["clip_fraction"] < 0.5 and rows[0]["approx_kl"] >= 0  # k3 is never negative
+    assert all(math.isfinite(r["policy_loss"]) and r["value_loss"] >= 0 for r in rows)
+    assert len(rows) == PPO_STEPS and abs(rows[0]["kl"]) < 1e-5
+    assert all(0 <= r["clip_fraction"] < 0.5 and r["approx_kl"] >= 0 for r in rows)  # k3 is never negative
+    assert 0 < sum(r["kl"] for r in rows[-10:]) / 10 < 0.5
+    assert 0 <= summary["kl"] < 1.0 and summary["response_length"] > 1, summary
+    assert summary["heldout_accuracy"] >= summary["base_heldout_accuracy"] - 0.03, summary
 
 
 def test_refusals_leave_nothing(sft_start, reward_model, base_run, tmp_path):

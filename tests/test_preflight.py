@@ -4,6 +4,7 @@ refusals: a step that cannot fit, an unknown target, a kernel the backend cannot
 anything."""
 
 import hashlib
+import os
 import json
 from pathlib import Path
 
@@ -33,6 +34,26 @@ def tree_hash(path: Path) -> str:
         if f.is_file():
             h.update(f.read_bytes())
     return h.hexdigest()
+
+
+def test_libtpu_never_sees_xla_cpu_flags(monkeypatch):
+    """libtpu ends the process on an XLA flag it does not know (the suite's --xla_cpu_use_fusion_emitters=false
+    took a pytest worker down with it): a TPU compile runs with XLA:CPU's flags hidden, restored after, even
+    when the compile raises."""
+    from mlx_llm.train import preflight
+
+    flags = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false --xla_force_host_platform_device_count=8"
+    monkeypatch.setenv("XLA_FLAGS", flags)
+    with pytest.raises(RuntimeError, match="inside"):
+        with preflight.without_cpu_flags():
+            assert os.environ["XLA_FLAGS"] == ("--xla_backend_optimization_level=0 "
+                                               "--xla_force_host_platform_device_count=8")
+            raise RuntimeError("inside")
+    assert os.environ["XLA_FLAGS"] == flags
+    monkeypatch.delenv("XLA_FLAGS")
+    with preflight.without_cpu_flags():
+        assert "XLA_FLAGS" not in os.environ
+    assert "XLA_FLAGS" not in os.environ
 
 
 @pytest.mark.slow

@@ -117,6 +117,7 @@ def check(cfg, hf_omega, hf_factor, np_omega_, np_factor, seq_len=None, f32_scal
 
 
 # ----- the tables --------------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("d,base", [(64, 10000.0), (128, 500000.0), (128, 1e6)])
 def test_none_is_plain_rope(d, base):
     cfg = ours(d, rope_base=base)

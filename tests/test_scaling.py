@@ -210,6 +210,7 @@ def test_load_errors(tmp_path):
         load_chinchilla_runs(bad)
 
 
+@pytest.mark.slow
 def test_approach3_on_published_runs(runs, published_fit):
     fit = published_fit
     assert fit["converged"] and fit["n_starts"] == 4_500

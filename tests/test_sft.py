@@ -42,17 +42,34 @@ def test_pack_keeps_conversations_apart():
 
 
 @pytest.mark.slow
-def test_full_sft_teaches_arithmetic(arithmetic_sft):
-    """The shared 4,000-step run: held-out exact match over all 1,000 held-out problems, from 0 to above 15 %."""
-    summary = json.loads((arithmetic_sft / "summary.json").read_text())
-    assert summary["base_heldout_accuracy"] == 0.0
-    assert summary["heldout_accuracy"] > 0.15, summary
+def test_full_sft_teaches_arithmetic(base_run, tmp_path):
+    """150 full SFT steps from the tiny base take the answer tokens' loss from the base's 4.9 nats to below 2.0
+    (measured 1.679 and 1.656 for seeds 0 and 1, the same to 2e-6 with and without float64: this short a run is
+    not yet chaotic), with every parameter trained and the run recorded as a full SFT run."""
+    tcfg = TrainConfig(**SFT, steps=150, eval_interval=150, checkpoint_interval=150)
+    summary = sft_run(tmp_path / "sft", base_run, tcfg=tcfg, settings=SFTConfig(task="arithmetic", n_train=20_000,
+                                                                                 eval_examples=64),
+                      show_progress=False, log=lambda *a: None)
+    rows = [json.loads(line) for line in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["step"] == 1 and rows[0]["loss"] > 4.0  # the base on answer tokens
+    assert summary["val_loss"] < 2.0, summary
     assert summary["trainable_params"] == BASE_CFG.param_count()
+    run = open_run(tmp_path / "sft")
+    assert run.record.kind == "sft" and run.record.settings.task == "arithmetic" and run.record.lora is None
+    assert run.cfg == BASE_CFG
+
+
+@pytest.mark.slow
+def test_the_committed_sft_start_answers_a_fifth_of_the_problems(arithmetic_sft):
+    """The preference tests' start (tests/data/arithmetic_sft: 4,000 steps from the base, its README): held-out
+    exact match from 0 to 0.239 over all 1,000 held-out problems, and the same weights, loaded and evaluated
+    here, above 0.15 on 400 of them."""
+    summary = json.loads((arithmetic_sft / "summary.json").read_text())
+    assert summary["base_heldout_accuracy"] == 0.0 and summary["heldout_accuracy"] == 0.239
     run = open_run(arithmetic_sft)
-    cfg, record = run.cfg, run.record
-    assert record.kind == "sft" and record.settings.task == "arithmetic" and record.lora is None and cfg == BASE_CFG
-    res = eval_task(load_params(arithmetic_sft), cfg, ByteTokenizer(), "arithmetic", n=400)
-    assert res["n"] == 400 and res["accuracy"] > 0.15
+    assert run.record.kind == "sft" and run.record.lora is None and run.cfg == BASE_CFG
+    res = eval_task(load_params(arithmetic_sft), run.cfg, ByteTokenizer(), "arithmetic", n=400)
+    assert res["n"] == 400 and res["accuracy"] > 0.15, res
 
 
 @pytest.mark.slow

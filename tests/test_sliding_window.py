@@ -98,6 +98,7 @@ def _decode(p, cfg, chunks):
     return jnp.concatenate(outs, axis=1), cache
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pattern", [("local",), ("local", "attn"), ("attn", "local", "mamba", "local")])
 @pytest.mark.parametrize("chunks", [[12] + [3] * 9 + [1], [1] * 40, [7, 33]])
 def test_ring_buffer_decoding_equals_the_full_forward_beyond_w(pattern, chunks):

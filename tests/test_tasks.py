@@ -136,6 +136,7 @@ def defined_in(example, docs) -> bool:
     return any(pattern.search(d.text) and all(w in d.text for w in words) for d in docs)
 
 
+@pytest.mark.slow
 def test_name_function_split_by_file(stdlib):
     heldout = K.examples("name_function", "heldout")
     train = K.examples("name_function", "train")

@@ -39,6 +39,7 @@ def full_run(tmp_path_factory, corpus_dir):
     return out, summary
 
 
+@pytest.mark.slow
 def test_run_directory_contents(full_run):
     out, summary = full_run
     for name in ("config.json", "train_config.json", "run.json", "tokenizer.json", "metrics.jsonl", "loss.png",
@@ -284,6 +285,7 @@ def test_ar_objective_refuses_a_bidirectional_model(tmp_path, corpus_dir):
         tiny_train(objective="mlm")
 
 
+@pytest.mark.slow
 def test_batch_loss_is_token_averaged_and_accumulation_changes_nothing():
     """M20 §10: L = −(1/n) Σ_t b_t log p(x_t | x_<t), n = Σ b_t over the whole batch: rows with unequal numbers
     of selected targets (1 and 7 here) are token-averaged, not row-averaged. Splitting the batch into

@@ -36,7 +36,7 @@ import numpy as np
 
 from mlx_llm.config import umask_mode
 from mlx_llm.errors import ConfigError, DataError, InputError
-from mlx_llm.settings import JsonProblem, read_json
+from mlx_llm.settings import load_json
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 CHAT_MARKERS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
@@ -482,12 +482,7 @@ def load(path) -> Tokenizer:
     target = tokenizer_path(path)
     if not target.is_file():
         raise DataError(f"tokenizer file not found: {target} (save one with Tokenizer.save or train_bpe first)")
-    try:
-        obj = read_json(target)
-    except JsonProblem as err:
-        if err.syntax is not None:
-            raise DataError(f"tokenizer file {target} is not valid JSON: {err.syntax}") from None
-        raise DataError(f"tokenizer file {target} cannot be used: {err.detail}") from None
+    obj = load_json(target, f"tokenizer file {target}", DataError)
     if isinstance(obj, dict) and obj.get("type") == _IDS_TYPE:
         return _load_ids(obj, target)
     if not (isinstance(obj, dict) and (obj.get("type") == _BYTE_TYPE or "model" in obj)):

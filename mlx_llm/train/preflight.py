@@ -13,6 +13,7 @@ TensorCores for v4 and v5p (two per chip; ``tpu:v5p-8`` is 4 chips).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -69,9 +70,27 @@ def tpu_target(name: str) -> Target:
     from jax.experimental import topologies
 
     bounds = (1, 1, 1) if chips == 1 else (2, 2, 1)
-    topo = topologies.get_topology_desc(platform="tpu", topology_name=f"{gen}:{grid}", chip_config_name="default",
-                                        chips_per_host_bounds=bounds, num_slices=1)
+    with without_cpu_flags():
+        topo = topologies.get_topology_desc(platform="tpu", topology_name=f"{gen}:{grid}",
+                                            chip_config_name="default", chips_per_host_bounds=bounds, num_slices=1)
     return Target(name, tuple(topo.devices), "tpu", int(hbm))
+
+
+@contextlib.contextmanager
+def without_cpu_flags():
+    """``XLA_FLAGS`` without XLA:CPU's own flags (``--xla_cpu_…``) while libtpu loads and compiles: libtpu parses
+    the variable on first use and ends the whole process on a flag its XLA does not know
+    (``--xla_cpu_use_fusion_emitters`` is one), while XLA:CPU read its flags when the CPU backend started.
+    Restored after."""
+    flags = os.environ.get("XLA_FLAGS")
+    if flags is None:
+        yield
+        return
+    os.environ["XLA_FLAGS"] = " ".join(f for f in flags.split() if not f.startswith("--xla_cpu_"))
+    try:
+        yield
+    finally:
+        os.environ["XLA_FLAGS"] = flags
 
 
 def local_target() -> Target:
@@ -108,16 +127,19 @@ def compiled_step(cfg: ModelConfig, tcfg: TrainConfig, target: str | Target = "l
 
 
 def _compile(cfg: ModelConfig, tcfg: TrainConfig, target, trainable, frozen, model_of, mask_id) -> tuple:
-    """(``compile_step``'s report, the compiled step, or None when XLA refused it)."""
+    """(``compile_step``'s report, the compiled step, or None when XLA refused it). For a TPU target, libtpu
+    (which reads ``XLA_FLAGS`` at its first compile) sees the flags without XLA:CPU's (``without_cpu_flags``)."""
     check_seq_len(cfg, tcfg)  # a window longer than the model's positions does not fit, whatever the memory
-    target = resolve_target(target) if isinstance(target, str) else target
-    kernels = tcfg.kernels(target.platform, resolve=True)  # refuses a kernel the target cannot run
-    mesh = make_mesh(tcfg.mesh, target.devices)
-    check_batch_divisible(tcfg.batch_size, tcfg.grad_accum, mesh)
-    if tcfg.objective == "diffusion" and mask_id is None:
-        mask_id = cfg.vocab_size - 1  # any valid id: the shapes are what is compiled
-    compiled = compile_or_explain(lambda: compile_lm_step(cfg, tcfg, mesh, mask_id, trainable=trainable,
-                                                          frozen=frozen, model_of=model_of))
+    tpu = (target if isinstance(target, str) else target.platform).startswith("tpu")
+    with without_cpu_flags() if tpu else contextlib.nullcontext():
+        target = resolve_target(target) if isinstance(target, str) else target
+        kernels = tcfg.kernels(target.platform, resolve=True)  # refuses a kernel the target cannot run
+        mesh = make_mesh(tcfg.mesh, target.devices)
+        check_batch_divisible(tcfg.batch_size, tcfg.grad_accum, mesh)
+        if tcfg.objective == "diffusion" and mask_id is None:
+            mask_id = cfg.vocab_size - 1  # any valid id: the shapes are what is compiled
+        compiled = compile_or_explain(lambda: compile_lm_step(cfg, tcfg, mesh, mask_id, trainable=trainable,
+                                                              frozen=frozen, model_of=model_of))
     out = report(cfg, tcfg, target, mesh, compiled, kernels)
     out["state_bytes_per_device"] = state_bytes_per_device(placed_like(abstract_state(cfg, tcfg, trainable), mesh))
     return out, None if isinstance(compiled, _Refused) else compiled

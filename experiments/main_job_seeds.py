@@ -1,0 +1,71 @@
+"""The main job's own noise: ``mlx-llm train`` with its defaults, once per seed, and the val bits/byte over seeds.
+
+Each run is the README's main job (the default MiniLLM on the embedded corpus, 700 steps) with ``--seed S``
+(initial parameters and batch order) in a subprocess of its own, one after the other; the token cache is shared, so
+only the first run trains the BPE tokenizer and encodes the corpus. The default seed (0) must give the README's
+exact digits (the run is deterministic); the others say how far another seed lands from it.
+
+    python -m experiments.main_job_seeds --out runs/main_job_seeds              # seeds 0 … 4 (≈ 25 min on 2 cores)
+    python -m experiments.main_job_seeds --out /tmp/mjs --seeds 3 --steps 40    # a quick look (not the main job)
+
+Writes experiments/results/main_job_seeds.json (every run's val bits/byte, val loss, steps and loop seconds; the
+mean, standard deviation and 95 % interval over seeds) and main_job_seeds.png (the runs and the interval).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from experiments import common
+from mlx_llm import stats
+
+PLOT = common.RESULTS / "main_job_seeds.png"
+
+
+def run_seed(seed: int, out: Path, cache: Path, steps: int | None) -> dict:
+    """One ``mlx-llm train`` with its defaults and ``--seed seed`` in a fresh process; its summary's numbers."""
+    run_dir = out / f"seed{seed}"
+    if not (run_dir / "summary.json").is_file():
+        cmd = [sys.executable, "-m", "mlx_llm", "train", "--out", str(run_dir), "--seed", str(seed), "--cache-dir",
+               str(cache), "--no-progress", "--sample-tokens", "0"]
+        if steps is not None:
+            cmd += ["--steps", str(steps)]
+        code = subprocess.run(cmd).returncode
+        if code != 0:
+            raise SystemExit(f"main_job_seeds: the run of seed {seed} ended with status {code} (its line is above)")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    row = {"seed": seed, "val_bpb": summary["val_bpb"], "val_loss": summary["val_loss"], "steps": summary["steps"],
+           "train_seconds": summary["train_seconds"], "run": str(run_dir)}
+    print(f"seed {seed}: val bits/byte {row['val_bpb']:.4f} (val loss {row['val_loss']:.4f}) in {row['steps']} "
+          f"steps, loop {row['train_seconds']:.0f} s", flush=True)
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True, help="a directory for the runs (a finished run is reused)")
+    ap.add_argument("--cache-dir", type=Path, default=None, help="token cache (default OUT/cache)")
+    ap.add_argument("--steps", type=int, default=None, help="override the main job's steps (a quick look only)")
+    common.add_seeds_argument(ap, default=5)
+    common.add_save_argument(ap, "main_job_seeds")
+    args = ap.parse_args(argv)
+    seeds = common.check_seeds(args.seeds)
+    rows = [run_seed(s, args.out, args.cache_dir or args.out / "cache", args.steps) for s in range(seeds)]
+    summary = stats.summarize([r["val_bpb"] for r in rows], "the main job's val bits/byte")
+    result = {"seeds": seeds, "steps": rows[0]["steps"], "runs": rows, "val_bpb": summary.as_dict(),
+              "val_loss": stats.summarize([r["val_loss"] for r in rows], "val loss").as_dict(),
+              "arguments": common.arguments(args)}
+    print(f"val bits/byte over {seeds} seeds: {stats.describe(summary)} (95 % interval "
+          f"[{summary.ci95[0]:.4f}, {summary.ci95[1]:.4f}], std {summary.std:.4f})")
+    if common.save_from_args(args, result) is not None:
+        plot = {"metric": "val_bpb", "arms": {"main job": {"runs": rows, "summary": summary.as_dict()}}}
+        common.seed_errorbars(plot, PLOT, "val bits/byte")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
