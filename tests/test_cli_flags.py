@@ -101,7 +101,8 @@ def test_ctrl_c_names_the_checkpoint_only_for_training_commands(monkeypatch, cap
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--clip", "0.3"], "RLConfig ['clip'] apply to algorithm 'ppo' only, not 'group'"),
+    (["--clip", "0.3"], "RLConfig ['clip'] apply to the clipped algorithms ['grpo', 'dr_grpo', 'dapo', 'gspo', "
+                        "'ppo'], not 'group'"),
     (["--algorithm", "ppo", "--epochs", "0"], "RLConfig.epochs = 0 is invalid: it must be an integer >= 1"),
     (["--algorithm", "ppo", "--value-coef", "-1"], "RLConfig.value_coef = -1.0 is invalid"),
 ])

@@ -1,5 +1,6 @@
-"""The one training loop for every run kind: reward, DPO and RL runs on a 2-device mesh (`--mesh data=2`) with
-gradient accumulation give the losses of one device; `--eval-tokens` changes what post-training evaluates."""
+"""The one training loop for every run kind: reward, DPO and RL runs (each loss aggregation) on a 2-device mesh
+(`--mesh data=2`) with gradient accumulation give the losses of one device; `--eval-tokens` changes what
+post-training evaluates."""
 
 import json
 from pathlib import Path
@@ -15,11 +16,16 @@ from mlx_llm.data.chat import ChatTemplate
 from helpers import python
 
 REPO = Path(__file__).resolve().parents[1]
-KINDS = {"reward": ["--task", "arithmetic", "--train-examples", "64", "--batch-size", "4"],
-         "dpo": ["--task", "arithmetic", "--train-examples", "64", "--batch-size", "4", "--eval-examples", "2",
+RL = ["rl", "--task", "arithmetic", "--train-examples", "16", "--batch-size", "2", "--k", "2", "--eval-examples", "2",
+      "--lr", "1e-4"]
+KINDS = {"reward": ["reward", "--task", "arithmetic", "--train-examples", "64", "--batch-size", "4"],
+         "dpo": ["dpo", "--task", "arithmetic", "--train-examples", "64", "--batch-size", "4", "--eval-examples", "2",
                  "--beta", "0.5"],
-         "rl": ["--task", "arithmetic", "--train-examples", "16", "--batch-size", "2", "--k", "2",
-                "--eval-examples", "2", "--lr", "1e-4"]}
+         "rl": RL,  # the group trainer (seq-mean-token-sum); then the other aggregations and batch changes, full
+         # fine-tuning (LoRA: test_preference_runs): grpo (sequence, the KL in the loss; gspo and dr_grpo reduce as
+         # grpo and group do at step 1), dapo (token, dynamic sampling), ppo (minibatches of the rollout)
+         **{f"rl_{a}": [*RL, "--algorithm", a] for a in ("grpo", "dapo")},
+         "rl_ppo": [*RL, "--algorithm", "ppo", "--epochs", "2", "--minibatches", "2", "--batch-size", "4"]}
 COMMON = ["--steps", "2", "--warmup-steps", "1", "--seq-len", "64", "--eval-interval", "2", "--log-interval", "1",
           "--no-progress"]
 SCRIPT = """
@@ -27,8 +33,8 @@ import sys
 from mlx_llm import cli
 base, out, *extra = sys.argv[1:]
 kinds = {kinds!r}
-for kind, flags in kinds.items():
-    assert cli.main([kind, "--base", base, "--out", out + "/" + kind, *{common!r}, *flags, *extra]) == 0, kind
+for kind, (command, *flags) in kinds.items():
+    assert cli.main([command, "--base", base, "--out", out + "/" + kind, *{common!r}, *flags, *extra]) == 0, kind
 """
 
 
@@ -60,7 +66,7 @@ def test_two_devices_with_accumulation_give_the_losses_of_one(one_and_two, kind)
     # RL samples its batch from the current policy: after step 1 the two runs' parameters differ by float
     # rounding, and sampling (a discontinuous function of them) may then draw other replies; step 1's batch is
     # the same draw from the same parameters in both.
-    compared = one[kind][:1] if kind == "rl" else one[kind]
+    compared = one[kind][:1] if kind.startswith("rl") else one[kind]
     for a, b in zip(compared, two[kind]):
         assert abs(a["loss"] - b["loss"]) <= 1e-6, (a, b)
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * max(1.0, a["grad_norm"]), (a, b)

@@ -113,8 +113,11 @@ def test_bandit_converges_to_the_closed_form(beta):
     (dict(value_coef=-0.1), r"RLConfig.value_coef = -0.1 is invalid: it must be a finite number >= 0"),
     (dict(value_clip=0.0), r"RLConfig.value_clip = 0.0 is invalid: it must be a finite number > 0"),
     (dict(gae_lambda=1.5), r"RLConfig.gae_lambda = 1.5 is invalid: it must be in \[0, 1\]"),
-    (dict(algorithm="group", clip=0.2), r"RLConfig \['clip'\] apply to algorithm 'ppo' only, not 'group'"),
-    (dict(algorithm="trpo"), r"RLConfig.algorithm = 'trpo' is invalid: valid algorithms are \['group', 'ppo'\]"),
+    (dict(algorithm="group", clip=0.2), r"RLConfig \['clip'\] apply to the clipped algorithms \['grpo', 'dr_grpo', "
+                                        r"'dapo', 'gspo', 'ppo'\], not 'group'"),
+    (dict(algorithm="grpo", value_coef=0.5), r"RLConfig \['value_coef'\] apply to algorithm 'ppo' only, not 'grpo'"),
+    (dict(algorithm="trpo"), r"RLConfig.algorithm = 'trpo' is invalid: valid algorithms are \['group', 'grpo', "
+                             r"'dr_grpo', 'dapo', 'gspo', 'ppo'\]"),
     (dict(algorithm="group", k=1), r"k = 1 is invalid: .* k must be an integer ≥ 2"),
 ])
 def test_bad_settings_are_refused(fields, message):

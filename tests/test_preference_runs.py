@@ -117,14 +117,29 @@ def resumed_equals_uninterrupted(sft_start, tmp_path, settings: RLConfig):
     return full
 
 
-def test_resumed_rl_run_replays_the_same_samples_and_parameters(sft_start, tmp_path):
-    """On-policy samples are a function of (seed, step, parameters): a resumed LoRA RL run equals the
-    uninterrupted one, metrics line for line."""
-    full = resumed_equals_uninterrupted(sft_start, tmp_path, RLConfig(task=TASK, k=2, beta=0.1, n_train=50,
-                                                                      eval_examples=8))
+# every estimator's own state and path through a resume: no clip (group), the KL in the loss (grpo), dynamic
+# sampling's extra rounds (dapo), epochs × minibatches of a sequence ratio (gspo), the value head (ppo). dr_grpo is
+# grpo's path with other defaults (no KL, no std division) and holds nothing of its own.
+RESUMED = {"group": dict(beta=0.1), "grpo": dict(beta=0.1), "dapo": {}, "gspo": dict(epochs=2, minibatches=2),
+           "ppo": dict(beta=0.1, epochs=2, minibatches=2)}
+
+
+@pytest.mark.parametrize("algorithm", list(RESUMED))
+def test_resumed_rl_run_replays_the_same_samples_and_parameters(sft_start, tmp_path, algorithm):
+    """Every estimator: on-policy samples are a function of (seed, step, parameters), so a resumed LoRA RL run
+    equals the uninterrupted one, metrics line for line (ppo: value head and adapters in the checkpoint); its
+    policy loads as a model and merges; its settings are the run's, so a changed one is refused on resume."""
+    settings = RLConfig(task=TASK, algorithm=algorithm, k=2, n_train=50, eval_examples=8, **RESUMED[algorithm])
+    full = resumed_equals_uninterrupted(sft_start, tmp_path, settings)
     rows = [json.loads(line) for line in (full / "metrics.jsonl").read_text().splitlines()]
-    assert {"reward", "kl", "accuracy", "response_length", "loss"} <= set(rows[0])
+    assert {"reward", "kl", "accuracy", "response_length", "loss", "is_ratio_mean", "is_ratio_max",
+            "logprob_gap"} <= set(rows[0])
     assert abs(rows[0]["kl"]) < 1e-5  # the first step's policy is the reference (B = 0), up to float32 rounding
+    assert abs(rows[0]["is_ratio_mean"] - 1) < 1e-5 and rows[0]["logprob_gap"] < 1e-5  # sampler = trainer
+    assert open_run(full).record.settings == settings
+    assert cli.main(["export-merged", "--run", str(full), "--out", str(tmp_path / "merged")]) == 0
+    chex.assert_trees_all_close(jax.device_get(load_params(tmp_path / "merged")), jax.device_get(load_params(full)))
+    assert cli.main(["rl", "--resume", "--out", str(full), "--clip", "0.3"]) == 2  # not the run's setting
 
 
 def test_ppo_stays_on_its_leash_with_clipped_updates(sft_start, tmp_path):
@@ -145,18 +160,6 @@ def test_ppo_stays_on_its_leash_with_clipped_updates(sft_start, tmp_path):
     assert 0 < sum(r["kl"] for r in rows[-10:]) / 10 < 0.5
     assert 0 <= summary["kl"] < 1.0 and summary["response_length"] > 1, summary
     assert summary["heldout_accuracy"] >= summary["base_heldout_accuracy"] - 0.03, summary
-
-
-def test_resumed_ppo_run_replays_the_same_rollouts_and_parameters(sft_start, tmp_path):
-    """A resumed LoRA PPO run (value head and adapters in the checkpoint) equals the uninterrupted one, metrics
-    line for line; its policy loads as a model and merges."""
-    settings = RLConfig(task=TASK, algorithm="ppo", k=2, beta=0.1, epochs=2, minibatches=2, n_train=50,
-                        eval_examples=8)
-    full = resumed_equals_uninterrupted(sft_start, tmp_path, settings)
-    assert open_run(full).record.settings == settings
-    assert cli.main(["export-merged", "--run", str(full), "--out", str(tmp_path / "merged")]) == 0
-    chex.assert_trees_all_close(jax.device_get(load_params(tmp_path / "merged")), jax.device_get(load_params(full)))
-    assert cli.main(["rl", "--resume", "--out", str(full), "--clip", "0.3"]) == 2  # PPO's settings are the run's too
 
 
 def test_refusals_leave_nothing(sft_start, reward_model, base_run, tmp_path):

@@ -40,6 +40,7 @@ def absolute_path(text: str) -> str:
     return str(Path(text).resolve())
 
 
+BOOLS = ("bool", "bool | None")  # a field whose unset value (None) the config resolves
 TYPES = {"int": int, "float": float, "str": str, "int | None": int, "float | None": float, "str | None": str,
          "int | str": parse_int_or_auto, "tuple[str, ...]": parse_list}
 
@@ -53,7 +54,7 @@ def _help(field: dataclasses.Field, shown) -> str:
     text = field.metadata.get("help")
     if not text:
         raise TypeError(f"config field {field.name!r} has no help text: document it with config.setting")
-    if field.type == "bool" or not field.metadata.get("show_default", True) or "default" in text:
+    if field.type in BOOLS or not field.metadata.get("show_default", True) or "default" in text:
         return text
     value = getattr(shown, field.name) if shown is not None else field.default
     value = ",".join(value) if isinstance(value, tuple) else value
@@ -73,7 +74,7 @@ def add_config_flags(parser, cls, section: str, *, shown=None, only: Iterable[st
         target = (groups or {}).get(f.name, parser)
         kwargs: dict[str, Any] = {"dest": section + SEP + f.name, "default": argparse.SUPPRESS,
                                   "help": _help(f, shown)}
-        if f.type == "bool":
+        if f.type in BOOLS:  # the flag turns it on; --set SECTION.FIELD=false turns off a default that is on
             kwargs["action"] = "store_true"
         else:
             kwargs["type"] = absolute_path if f.metadata.get("path") else TYPES[f.type]

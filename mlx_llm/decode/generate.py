@@ -37,12 +37,18 @@ class GenerationResult:
     logq / logp (B,): log-probability of each continuation under the decoding distribution q and under the
     model p (M20 §13: a sampled continuation's probability under the decoder is the product of its q terms).
     Greedy and beam search are deterministic, so their log q is 0.
+
+    token_logq / token_logp (B, N): the same per generated token (0 after EOS); their row sums are logq / logp.
+    Sampling and greedy only (None for beam search, whose beams are reordered every step). RL weighs each
+    sampled token by π/q with them (post/estimator.py).
     """
 
     tokens: jax.Array
     lengths: jax.Array
     logq: jax.Array
     logp: jax.Array
+    token_logq: jax.Array | None = None
+    token_logp: jax.Array | None = None
 
 
 @flax.struct.dataclass
@@ -77,15 +83,17 @@ def _prefill(params, prompt_BT, lengths_B, cfg, max_new_tokens, kernels):
 
 # ----- sampling and greedy -------------------------------------------------------------------------
 def _select(key, logits_BV, rows: _Rows, settings, eos_id, pad_id):
-    """Choose each row's next token and accumulate its log q and log p; finished rows emit pad_id."""
+    """Choose each row's next token and accumulate its log q and log p; finished rows emit pad_id. Returns the
+    tokens, the rows and the step's (log q, log p) of each row (0 for a finished row)."""
     tok_B, lq_B = choose(key, logits_BV, settings)
     lp_B = jnp.take_along_axis(jax.nn.log_softmax(logits_BV.astype(lq_B.dtype), axis=-1), tok_B[:, None], axis=-1)[:, 0]
     active_B = ~rows.done
     tok_B = jnp.where(active_B, tok_B, pad_id)
     done_B = rows.done if eos_id is None else rows.done | (active_B & (tok_B == eos_id))
-    rows = _Rows(done=done_B, length=rows.length + active_B.astype(jnp.int32),
-                 logq=rows.logq + jnp.where(active_B, lq_B, 0.0), logp=rows.logp + jnp.where(active_B, lp_B, 0.0))
-    return tok_B, rows
+    lq_B, lp_B = jnp.where(active_B, lq_B, 0.0), jnp.where(active_B, lp_B, 0.0)
+    rows = _Rows(done=done_B, length=rows.length + active_B.astype(jnp.int32), logq=rows.logq + lq_B,
+                 logp=rows.logp + lp_B)
+    return tok_B, rows, (lq_B, lp_B)
 
 
 def _sample(params, prompt_BT, lengths_B, key, *, cfg, settings, max_new_tokens, eos_id, pad_id, unroll_layers,
@@ -96,19 +104,21 @@ def _sample(params, prompt_BT, lengths_B, key, *, cfg, settings, max_new_tokens,
     b = prompt_BT.shape[0]
     rows = _Rows(done=jnp.zeros((b,), bool), length=jnp.zeros((b,), jnp.int32),
                  logq=jnp.zeros((b,), acc), logp=jnp.zeros((b,), acc))
-    tok_B, rows = _select(jax.random.fold_in(key, 0), logits_BV, rows, settings, eos_id, pad_id)
+    tok_B, rows, first = _select(jax.random.fold_in(key, 0), logits_BV, rows, settings, eos_id, pad_id)
 
     def step(carry, t):
         cache, tok_B, rows = carry
         logits_B1V, cache = forward_cached(params, tok_B[:, None], cache, cfg, n_new_B=(~rows.done).astype(jnp.int32),
                                            layers=layers, kernels=kernels)
-        tok_B, rows = _select(jax.random.fold_in(key, t), _tokens_only(logits_B1V[:, 0], cfg), rows, settings, eos_id,
-                              pad_id)
-        return (cache, tok_B, rows), tok_B
+        tok_B, rows, scores = _select(jax.random.fold_in(key, t), _tokens_only(logits_B1V[:, 0], cfg), rows,
+                                      settings, eos_id, pad_id)
+        return (cache, tok_B, rows), (tok_B, *scores)
 
-    (_, _, rows), toks_NB = jax.lax.scan(step, (cache, tok_B, rows), jnp.arange(1, max_new_tokens))
-    tokens_BN = jnp.concatenate([tok_B[:, None], toks_NB.T], axis=1)
-    return GenerationResult(tokens=tokens_BN, lengths=rows.length, logq=rows.logq, logp=rows.logp)
+    (_, _, rows), per_step = jax.lax.scan(step, (cache, tok_B, rows), jnp.arange(1, max_new_tokens))
+    tokens_BN, logq_BN, logp_BN = (jnp.concatenate([a[:, None], b_NB.T], axis=1)
+                                   for a, b_NB in zip((tok_B, *first), per_step))
+    return GenerationResult(tokens=tokens_BN, lengths=rows.length, logq=rows.logq, logp=rows.logp,
+                            token_logq=logq_BN, token_logp=logp_BN)
 
 
 # ----- beam search ---------------------------------------------------------------------------------

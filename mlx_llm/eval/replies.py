@@ -19,10 +19,12 @@ REPLY_TOKENS = {"arithmetic": 8, "addition2": 8, "name_function": 40}  # new tok
 
 
 def sample_replies(params, cfg: ModelConfig, tok, template: ChatTemplate, prompts, max_new_tokens: int, *,
-                   temperature: float | None = None, seed: int = 0, batch_size: int = 64) -> list:
+                   temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                   seed: int = 0, batch_size: int = 64, with_logq: bool = False) -> list:
     """The model's reply to each conversation of ``prompts`` (rendered with the assistant marker), decoded until
-    the end-of-turn marker or ``max_new_tokens``: greedy (``temperature`` None) or sampled from p^(1/T) with
-    the jitted decoder. Returns [(reply ids, end marker included when produced), text (marker dropped)].
+    the end-of-turn marker or ``max_new_tokens``: greedy (``temperature`` None) or sampled from p^(1/T) (cut to
+    ``top_k`` / ``top_p``) with the jitted decoder. Returns [(reply ids, end marker included when produced), text
+    (marker dropped)], with ``with_logq`` a third item: log q of each reply id under the decoder (float32 array).
     The tokenizer's own chat template, when it has one, renders the prompts (``template_for``)."""
     template = template_for(tok, template)
     end_id = tok.token_id(template.end)
@@ -39,13 +41,14 @@ def sample_replies(params, cfg: ModelConfig, tok, template: ChatTemplate, prompt
         padded = np.full((batch_size, longest), tok.pad_id, np.int32)
         for r, p in enumerate(chunk):
             padded[r, :len(p)] = p
-        out = generate(params, cfg, padded, max_new_tokens, temperature=temperature, eos_id=end_id,
-                       pad_id=tok.pad_id, prompt_lengths=lengths, seed=seed + i)
-        toks, lens = np.asarray(out.tokens), np.asarray(out.lengths)
+        out = generate(params, cfg, padded, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                       eos_id=end_id, pad_id=tok.pad_id, prompt_lengths=lengths, seed=seed + i)
+        toks, lens, logq = np.asarray(out.tokens), np.asarray(out.lengths), np.asarray(out.token_logq)
         for r in range(min(batch_size, len(encoded) - i)):
             reply = toks[r, :lens[r]]
             text = reply[:-1] if lens[r] and reply[-1] == end_id else reply
-            out_replies.append((reply, tok.decode(text, skip_special=True)))
+            out_replies.append((reply, tok.decode(text, skip_special=True))
+                               + ((logq[r, :lens[r]],) if with_logq else ()))
     return out_replies
 
 

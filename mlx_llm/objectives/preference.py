@@ -12,6 +12,8 @@ import jax.numpy as jnp
 
 from mlx_llm.settings import check_number
 
+STD_EPS = 1e-4  # added to a group's reward standard deviation before dividing by it (GRPO's normalisation)
+
 
 # ----- Bradley–Terry (U19 §11; post/reward.py) ----------------------------------------------------------------
 def preference_probability(r_chosen, r_rejected):
@@ -69,10 +71,21 @@ def shaped_rewards(r, logp, logp_ref, beta):
     return r - beta * jax.lax.stop_gradient(logp - logp_ref)
 
 
-def group_advantages(r_PK):
-    """A = r̃ − mean of the other k − 1 rewards of the same prompt (leave-one-out), per row of (P, K)."""
+def group_advantages(r_PK, baseline: str = "loo", scale: bool = False, eps: float = STD_EPS):
+    """Advantages of k rewards per prompt, per row of (P, K). ``baseline`` "loo": A = r − the mean of the other
+    k − 1 rewards of the same prompt (leave-one-out; RLOO); "mean": A = r − the group's mean, itself included
+    (GRPO), which is the leave-one-out advantage times (k − 1)/k. ``scale``: divided by the group's standard
+    deviation (ddof 1) + ``eps`` (GRPO, DAPO, GSPO; Dr. GRPO drops it). A group of equal rewards gets A = 0."""
     k = r_PK.shape[-1]
-    return r_PK - (jnp.sum(r_PK, axis=-1, keepdims=True) - r_PK) / (k - 1)
+    if baseline == "loo":
+        adv = r_PK - (jnp.sum(r_PK, axis=-1, keepdims=True) - r_PK) / (k - 1)
+    elif baseline == "mean":
+        adv = r_PK - jnp.mean(r_PK, axis=-1, keepdims=True)
+    else:
+        raise ValueError(f"baseline = {baseline!r}: 'loo' or 'mean'")
+    if scale:
+        adv = adv / (jnp.std(r_PK, axis=-1, keepdims=True, ddof=1) + eps)
+    return adv
 
 
 def policy_loss(logp_PK, adv_PK):
@@ -114,14 +127,93 @@ def token_rewards(reward_B, logp_BT, logp_ref_BT, mask_BT, beta: float):
 
 
 def token_losses(logp, old_logp, adv, values, old_values, returns, *, clip: float, value_clip: float) -> dict:
-    """Per-token PPO terms: the clipped surrogate's loss, the clipped value loss, whether the ratio was clipped
-    and the k3 estimate of KL(π_old ‖ π_θ) (a diagnostic)."""
+    """Per-token PPO terms: the clipped surrogate's loss, the clipped value loss, whether the clipped term was the
+    active one (its gradient 0) and the k3 estimate of KL(π_old ‖ π_θ) (a diagnostic)."""
     logp, old_logp, adv, values, old_values, returns = map(jnp.asarray, (logp, old_logp, adv, values, old_values,
                                                                           returns))
     log_ratio = logp - old_logp
-    ratio = jnp.exp(log_ratio)
-    policy = -jnp.minimum(ratio * adv, jnp.clip(ratio, 1 - clip, 1 + clip) * adv)
+    policy, clipped = clipped_surrogate(log_ratio, adv, clip, clip)
+    return {"policy_loss": policy, "value_loss": value_loss(values, old_values, returns, value_clip),
+            "clip_fraction": clipped, "approx_kl": kl_estimate(0.0, log_ratio, "k3")}
+
+
+def value_loss(values, old_values, returns, value_clip: float):
+    """½ max((V − G)², (V_old + clip(V − V_old, ±ε_V) − G)²) per token (PPO's clipped value loss)."""
     clipped_values = old_values + jnp.clip(values - old_values, -value_clip, value_clip)
-    value = 0.5 * jnp.maximum((values - returns) ** 2, (clipped_values - returns) ** 2)
-    return {"policy_loss": policy, "value_loss": value, "clip_fraction": (jnp.abs(ratio - 1) > clip).astype(logp.dtype),
-            "approx_kl": (ratio - 1) - log_ratio}
+    return 0.5 * jnp.maximum((values - returns) ** 2, (clipped_values - returns) ** 2)
+
+
+# ----- the GRPO family's terms (post/estimator.py) ------------------------------------------------------------
+def kl_estimate(logp, logp_ref, kind: str):
+    """Schulman's (2020) estimators of KL(π ‖ π_ref) from one token y ∼ π, with x = log π_ref(y) − log π(y):
+    k1 = −x (unbiased, high variance, negative for some samples), k2 = x²/2 (biased, low variance), k3 = eˣ − 1 − x
+    (unbiased, ≥ 0). As loss terms, differentiated through log π at the sampled y, their expected gradients are 0
+    (k1), ∇ KL(π ‖ π_ref) (k2, one position) and ∇ KL(π_ref ‖ π) (k3): docs/post-training.md."""
+    x = jnp.asarray(logp_ref) - jnp.asarray(logp)
+    if kind == "k1":
+        return -x
+    if kind == "k2":
+        return 0.5 * x * x
+    if kind == "k3":
+        return jnp.expm1(x) - x
+    raise ValueError(f"kind = {kind!r}: 'k1', 'k2' or 'k3'")
+
+
+def clipped_surrogate(log_ratio, adv, clip_low: float | None, clip_high: float | None):
+    """(−min(ρA, clip(ρ, 1 − ε_low, 1 + ε_high) A), whether the clipped term is the active one) per token, ρ = e^
+    log_ratio; without a clip (``clip_low`` None) the plain importance-weighted −ρA, whose gradient at ρ = 1 is
+    REINFORCE's −A ∇log π."""
+    ratio = jnp.exp(log_ratio)
+    if clip_low is None:
+        return -ratio * adv, jnp.zeros_like(ratio)
+    bounded = jnp.clip(ratio, 1 - clip_low, 1 + clip_high)
+    return -jnp.minimum(ratio * adv, bounded * adv), (ratio * adv > bounded * adv).astype(ratio.dtype)
+
+
+def sequence_log_ratio(log_ratio_BT, mask_BT):
+    """GSPO's ratio on every token of a reply: log s = (1/|y|) Σ_t log(π_θ/π_old) (the reply's length-normalised
+    log-ratio) as the value, each token's own log-ratio as the gradient (``sg[log s] + log ρ_t − sg[log ρ_t]``), so
+    the mean over the reply's tokens of s·A has the gradient of s·A (Zheng et al. 2025, GSPO-token)."""
+    mask = jnp.asarray(mask_BT).astype(log_ratio_BT.dtype)
+    mean_B1 = jnp.sum(mask * log_ratio_BT, axis=1, keepdims=True) / jnp.maximum(jnp.sum(mask, 1, keepdims=True), 1)
+    return jax.lax.stop_gradient(mean_B1) + log_ratio_BT - jax.lax.stop_gradient(log_ratio_BT)
+
+
+def importance_weights(logp_BT, logq_BT, mask_BT, kind: str, cap: float | None, level: str):
+    """Weights w of the sampled tokens that turn an expectation under the sampler q into one under the trainer's
+    π, no gradient: w = π/q per token (``level`` "token") or Π_t π/q of the reply on each of its tokens
+    ("sequence"); "tis" truncates them, min(w, C) (Ionides 2008; Yao et al. 2025), "mis" masks them,
+    w·1[w ≤ C]; "none" is 1. Zero outside the reply."""
+    mask = jnp.asarray(mask_BT).astype(logp_BT.dtype)
+    if kind == "none":
+        return mask
+    log_w = mask * (logp_BT - logq_BT)
+    if level == "sequence":
+        log_w = jnp.broadcast_to(jnp.sum(log_w, axis=1, keepdims=True), log_w.shape)
+    w = jnp.exp(jax.lax.stop_gradient(log_w))
+    if kind == "tis":
+        w = jnp.minimum(w, cap)
+    elif kind == "mis":
+        w = jnp.where(w <= cap, w, 0.0)
+    else:
+        raise ValueError(f"kind = {kind!r}: 'none', 'tis' or 'mis'")
+    return mask * w
+
+
+def aggregation_weights(mask_BT, how: str):
+    """(per-token weights, count): Σ weights ⊙ ℓ / count is the loss of per-token terms ℓ aggregated as ``how``
+    says. "token": every reply token of the batch counts once, ℓ summed over them / their number (DAPO);
+    "sequence": each reply's mean over its tokens, averaged over replies (GRPO's 1/|y|); "seq-mean-token-sum":
+    each reply's sum over its tokens, averaged over replies (REINFORCE on log π(y); Dr. GRPO up to a constant).
+    Counts sum over micro-batches, so the mean is over the whole update (``train.step.make_update``)."""
+    mask = jnp.asarray(mask_BT)
+    mask = mask.astype(jnp.promote_types(mask.dtype, jnp.float32))
+    tokens_B1 = jnp.sum(mask, axis=1, keepdims=True)
+    rows = jnp.sum((tokens_B1 > 0).astype(mask.dtype))
+    if how == "token":
+        return mask, jnp.sum(mask)
+    if how == "sequence":
+        return mask / jnp.maximum(tokens_B1, 1), rows
+    if how == "seq-mean-token-sum":
+        return mask, rows
+    raise ValueError(f"how = {how!r}: 'token', 'sequence' or 'seq-mean-token-sum'")

@@ -20,9 +20,6 @@ from mlx_llm.data.mixture import parse_sources
 from mlx_llm.train.trackers import check_trackers
 
 TOKENIZERS = ("bpe", "byte")
-RL_ALGORITHMS = ("group", "ppo")
-# PPO's settings when not given (Schulman et al. 2017; γ = 1 over a reply, the usual choice for language models)
-PPO_DEFAULTS = {"clip": 0.2, "epochs": 4, "minibatches": 4, "value_coef": 0.5, "value_clip": 0.2, "gae_lambda": 0.95}
 DEFAULT_VOCAB = 1024  # the main job's BPE vocabulary (recipes.MAIN_JOB_VOCAB)
 
 
@@ -178,75 +175,237 @@ class DPOConfig(RewardConfig):
 
 
 def check_group(k, algorithm: str = "group", name: str = "k") -> int:
-    """Replies per prompt: the group baseline compares each reply with the other replies to its prompt (k ≥ 2);
+    """Replies per prompt: a group baseline compares each reply with the other replies to its prompt (k ≥ 2);
     PPO's value head needs none (k ≥ 1)."""
-    if algorithm == "group":
+    if algorithm != "ppo":
         return check_int(name, k, 2, reason="group-relative advantages compare each reply with the other replies "
                                              "to its prompt, so k must be an integer ≥ 2")
     return check_int(name, k, 1, reason="k must be a positive integer")
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RLConfig(KindSettings):
-    """KL-leashed on-policy RL on a task (U19 §12): a group of replies per prompt, rewarded by the task's exact
-    checker or a reward model; the per-token KL (k1 estimator) to the reference is part of the reward."""
+def _defaults(**fields) -> dict:
+    """A clipped algorithm's defaults: one update per rollout unless it says otherwise, no dynamic sampling."""
+    return {"dynamic_sampling": False, "epochs": 1, "minibatches": 1, **fields}
 
-    task: str | None = setting(None, "a built-in task: prompts and the exact checker", choices=TASKS)
-    n_train: int | None = setting(None, "cap on the task's train prompts", flag="train_examples")
-    beta: float = setting(0.05, "β of the KL leash to the reference (> 0)")
-    k: int = setting(8, "replies sampled per prompt (>= 2)")
-    reward_model: str | None = setting(None, "a reward run scoring replies instead of the checker",
-                                    metavar="RUN", path=True)
-    reference: str | None = setting(None, "the frozen reference run (default: the base)", metavar="RUN",
-                                 path=True)
-    eval_examples: int | None = setting(200, "held-out task examples scored before and after (unset: all)")
-    algorithm: str = setting("group", "the update: 'group' (REINFORCE with a leave-one-out baseline over each "
-                             "prompt's k replies) or 'ppo' (a value head on the trunk, GAE over the reply tokens, "
-                             "the clipped surrogate; Schulman et al. 2017)", choices=RL_ALGORITHMS)
-    clip: float | None = setting(None, "ppo: ε of the clipped probability ratio 1 ± ε, in (0, 1) (default 0.2)",
+
+# What each algorithm runs when a setting is not given: each paper's recipe as docs/post-training.md cites it.
+# A setting outside an algorithm's entry is one it cannot honour (refused by name), except those of every
+# algorithm (``EstimatorConfig.COMMON``).
+RL_DEFAULTS = {
+    "group": dict(kl="reward-k1", loss_aggregation="seq-mean-token-sum", dynamic_sampling=False),
+    "grpo": _defaults(kl="loss-k3", clip_low=0.2, clip_high=0.2, loss_aggregation="sequence"),
+    "dr_grpo": _defaults(kl="none", clip_low=0.2, clip_high=0.2, loss_aggregation="seq-mean-token-sum"),
+    "dapo": _defaults(kl="none", clip_low=0.2, clip_high=0.28, loss_aggregation="token", dynamic_sampling=True),
+    "gspo": _defaults(kl="none", clip_low=3e-4, clip_high=4e-4, loss_aggregation="sequence"),
+    # Schulman et al. 2017; γ = 1 over a reply, the usual choice for language models
+    "ppo": _defaults(kl="reward-k1", clip_low=0.2, clip_high=0.2, epochs=4, minibatches=4, value_coef=0.5,
+                     value_clip=0.2, gae_lambda=0.95, loss_aggregation="token"),
+}
+RL_ALGORITHMS = tuple(RL_DEFAULTS)
+CLIPPED = tuple(a for a in RL_ALGORITHMS if "clip_low" in RL_DEFAULTS[a])
+KL_PLACEMENTS = ("reward-k1", "loss-k1", "loss-k2", "loss-k3", "none")
+LOSS_AGGREGATIONS = ("token", "sequence", "seq-mean-token-sum")
+IMPORTANCE = ("none", "tis", "mis")
+IS_LEVELS = ("token", "sequence")
+DEFAULT_BETA, DEFAULT_IS_CAP, DEFAULT_SAMPLING_ROUNDS = 0.05, 2.0, 3
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EstimatorConfig(KindSettings):
+    """The policy-gradient estimator of on-policy RL (post/estimator.py) and its rollouts' sampler: the algorithm,
+    where the KL to the reference sits, the clip, the loss aggregation, dynamic sampling, several updates per
+    rollout, importance weights. Unset fields take the algorithm's defaults (``RL_DEFAULTS``); a setting the
+    algorithm cannot honour is refused by name. ``RLConfig`` adds the task and the run's other settings; the
+    tabular bandits (post/bandit.py) take this alone."""
+
+    algorithm: str = setting("group", "the estimator: group (REINFORCE, leave-one-out baseline over each prompt's "
+                             "k replies), grpo (group-mean baseline / std, clipped token ratio; Shao et al. 2024), "
+                             "dr_grpo (no std, no 1/|y|; Liu et al. 2025), dapo (clip-higher, token-level loss, "
+                             "dynamic sampling; Yu et al. 2025), gspo (sequence-level ratio; Zheng et al. 2025) or "
+                             "ppo (a value head, GAE; Schulman et al. 2017)", choices=RL_ALGORITHMS)
+    k: int = setting(8, "replies sampled per prompt (>= 2; ppo: >= 1)")
+    beta: float | None = setting(None, f"β of the KL to the reference, > 0 (default {DEFAULT_BETA}; not with --kl "
+                                 "none)", show_default=False)
+    kl: str | None = setting(None, "where the KL to the reference sits: reward-k1 (Σ_t log π/π_ref subtracted from "
+                             "the reward), loss-k1 / loss-k2 / loss-k3 (Schulman's estimator per token in the loss) "
+                             "or none (default: the algorithm's: group and ppo reward-k1, grpo loss-k3, the others "
+                             "none)", choices=KL_PLACEMENTS, show_default=False)
+    clip: float | None = setting(None, "clipped algorithms: ε of the ratio's clip 1 ± ε, in (0, 1) (default 0.2; "
+                                 "dapo 0.2/0.28, gspo 3e-4/4e-4 as --clip-low/--clip-high)", show_default=False)
+    clip_low: float | None = setting(None, "clipped algorithms: ε_low of the clip's lower side 1 − ε_low, in (0, 1)",
+                                     show_default=False)
+    clip_high: float | None = setting(None, "clipped algorithms: ε_high of the clip's upper side 1 + ε_high, > 0",
+                                      show_default=False)
+    epochs: int | None = setting(None, "clipped algorithms: passes over each rollout (default 1; ppo 4)",
                                  show_default=False)
-    epochs: int | None = setting(None, "ppo: passes over each rollout (default 4)", show_default=False)
-    minibatches: int | None = setting(None, "ppo: minibatches per pass; they split the rollout's prompts × k "
-                                      "replies evenly (default 4)", show_default=False)
+    minibatches: int | None = setting(None, "clipped algorithms: minibatches per pass, splitting the rollout's "
+                                      "prompts × k replies evenly (default 1; ppo 4)", show_default=False)
+    loss_aggregation: str | None = setting(None, "how per-token terms make the loss: token (mean over the batch's "
+                                           "reply tokens), sequence (each reply's token mean, averaged) or "
+                                           "seq-mean-token-sum (each reply's token sum, averaged) (default: the "
+                                           "algorithm's; gspo: sequence only)", choices=LOSS_AGGREGATIONS,
+                                           show_default=False)
+    dynamic_sampling: bool | None = setting(None, "group algorithms: drop groups whose rewards are all equal and "
+                                            "refill the batch from more prompts (default: on for dapo)",
+                                            show_default=False)
+    sampling_rounds: int | None = setting(None, "with dynamic sampling: rounds of prompts sampled at most to fill "
+                                          f"the batch (default {DEFAULT_SAMPLING_ROUNDS})", show_default=False)
     value_coef: float | None = setting(None, "ppo: weight of the value loss, >= 0 (default 0.5)", show_default=False)
     value_clip: float | None = setting(None, "ppo: how far an update may move a value from its rollout value, > 0 "
                                        "(default 0.2)", show_default=False)
     gae_lambda: float | None = setting(None, "ppo: λ of generalised advantage estimation, in [0, 1] (default "
                                        "0.95)", show_default=False)
+    temperature: float = setting(1.0, "rollouts: the sampler's temperature (> 0)")
+    top_k: int | None = setting(None, "rollouts: sample among the k most probable tokens (default: all)")
+    top_p: float | None = setting(None, "rollouts: sample from the nucleus of mass p, in (0, 1] (default: all)")
+    importance: str = setting("none", "weights correcting the sampler q to the trainer's π on every reply token: "
+                              "none, tis (min(π/q, C)) or mis (π/q where ≤ C, else 0)", choices=IMPORTANCE)
+    is_cap: float | None = setting(None, f"with --importance: the cap C, > 0 (default {DEFAULT_IS_CAP:g})",
+                                   show_default=False)
+    is_level: str | None = setting(None, "with --importance: per token (π/q of the token) or sequence (of the whole "
+                                   "reply) (default token)", choices=IS_LEVELS, show_default=False)
+
+    # settings every algorithm takes; the others are those of its RL_DEFAULTS entry
+    COMMON = ("kl", "loss_aggregation", "dynamic_sampling")
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        if self.algorithm not in RL_ALGORITHMS:
+            raise ConfigError(f"{name}.algorithm = {self.algorithm!r} is invalid: valid algorithms are "
+                              f"{list(RL_ALGORITHMS)}")
+        check_group(self.k, self.algorithm, f"{name}.k")
+        self._refuse_foreign()
+        defaults = RL_DEFAULTS[self.algorithm]
+        for field, value in defaults.items():
+            if getattr(self, field) is None:
+                object.__setattr__(self, field, value)
+        self._check_kl()
+        self._check_clip()
+        _check_choice(self, "loss_aggregation", LOSS_AGGREGATIONS)
+        if self.algorithm == "gspo" and self.loss_aggregation != "sequence":
+            raise ConfigError(f"{name}.loss_aggregation = {self.loss_aggregation!r} cannot be honoured by gspo: its "
+                              f"ratio is a reply's, so its loss is a mean over replies ('sequence')")
+        if self.clipped:
+            _check_int(self, "epochs", 1)
+            _check_int(self, "minibatches", 1)
+        if self.algorithm == "ppo":
+            _check_number(self, "value_coef", low=0.0)
+            _check_number(self, "value_clip", low=0.0, positive=True)
+            object.__setattr__(self, "gae_lambda", check_number(f"{name}.gae_lambda", self.gae_lambda, low=0.0,
+                                                                high=1.0))
+        self._check_sampling()
+
+    def _refuse_foreign(self) -> None:
+        """Settings given that the algorithm cannot honour, named."""
+        own = set(RL_DEFAULTS[self.algorithm]) | set(self.COMMON)
+        if "clip_low" in own:
+            own.add("clip")
+        foreign = [f for f in ("clip", "clip_low", "clip_high", "epochs", "minibatches", "value_coef", "value_clip",
+                               "gae_lambda") if getattr(self, f) is not None and f not in own]
+        if foreign:
+            which = ("the clipped algorithms " + str(list(CLIPPED)) if foreign[0] in RL_DEFAULTS["grpo"]
+                     or foreign[0] == "clip" else "algorithm 'ppo' only")
+            raise ConfigError(f"{type(self).__name__} {foreign} apply to {which}, not {self.algorithm!r}")
+        sides = {f: getattr(self, f) for f in ("clip_low", "clip_high") if getattr(self, f) not in (None, self.clip)}
+        if self.clip is not None and sides:
+            raise ConfigError(f"{type(self).__name__}.clip = {self.clip!r} sets both sides of the clip, and {sides} "
+                              f"too: give --clip, or --clip-low and --clip-high")
+        if self.dynamic_sampling and self.algorithm == "ppo":
+            raise ConfigError(f"{type(self).__name__}.dynamic_sampling drops groups of equal rewards, and ppo has "
+                              f"no groups (a value head is its baseline): not with algorithm 'ppo'")
+
+    def _check_kl(self) -> None:
+        name = type(self).__name__
+        _check_choice(self, "kl", KL_PLACEMENTS)
+        if self.kl == "none":
+            if self.beta is not None:
+                raise ConfigError(f"{name}.beta = {self.beta!r} weighs a KL term, and kl = 'none' has none: give "
+                                  f"--kl reward-k1 / loss-k1 / loss-k2 / loss-k3, or no --beta")
+            return
+        if self.beta is None:
+            object.__setattr__(self, "beta", DEFAULT_BETA)
+        _check_number(self, "beta", low=0.0, positive=True)
+
+    def _check_clip(self) -> None:
+        if self.algorithm not in CLIPPED:
+            return
+        name = type(self).__name__
+        if self.clip is not None:
+            value = check_number(f"{name}.clip", self.clip, low=0.0, positive=True, high=1.0, high_open=True)
+            for f in ("clip", "clip_low", "clip_high"):
+                object.__setattr__(self, f, value)
+        low = check_number(f"{name}.clip_low", self.clip_low, low=0.0, positive=True, high=1.0, high_open=True)
+        high = check_number(f"{name}.clip_high", self.clip_high, low=0.0, positive=True)
+        object.__setattr__(self, "clip_low", low)
+        object.__setattr__(self, "clip_high", high)
+        object.__setattr__(self, "clip", low if low == high else None)
+
+    def _check_sampling(self) -> None:
+        name = type(self).__name__
+        if not isinstance(self.dynamic_sampling, bool):
+            raise ConfigError(f"{name}.dynamic_sampling = {self.dynamic_sampling!r} must be true or false")
+        if not self.dynamic_sampling and self.sampling_rounds is not None:
+            raise ConfigError(f"{name}.sampling_rounds = {self.sampling_rounds!r} applies with dynamic sampling "
+                              f"(--dynamic-sampling) only")
+        if self.dynamic_sampling and self.sampling_rounds is None:
+            object.__setattr__(self, "sampling_rounds", DEFAULT_SAMPLING_ROUNDS)
+        _check_int(self, "sampling_rounds", 1, optional=True)
+        _check_number(self, "temperature", low=0.0, positive=True)
+        _check_int(self, "top_k", 1, optional=True)
+        if self.top_p is not None:
+            object.__setattr__(self, "top_p", check_number(f"{name}.top_p", self.top_p, low=0.0, positive=True,
+                                                           high=1.0))
+        _check_choice(self, "importance", IMPORTANCE)
+        if self.importance == "none":
+            given = [f for f in ("is_cap", "is_level") if getattr(self, f) is not None]
+            if given:
+                raise ConfigError(f"{name} {given} apply with --importance tis or mis, not 'none'")
+            return
+        for field, default in (("is_cap", DEFAULT_IS_CAP), ("is_level", "token")):
+            if getattr(self, field) is None:
+                object.__setattr__(self, field, default)
+        _check_number(self, "is_cap", low=0.0, positive=True)
+        _check_choice(self, "is_level", IS_LEVELS)
+
+    @property
+    def clipped(self) -> bool:
+        return self.algorithm in CLIPPED
+
+    def estimator(self) -> "EstimatorConfig":
+        """These settings alone (an ``RLConfig``'s estimator, hashable: the compiled functions' key)."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(EstimatorConfig)}
+        return EstimatorConfig(**fields)
+
+
+def _check_choice(owner, name: str, choices) -> None:
+    value = getattr(owner, name)
+    if value not in choices:
+        raise ConfigError(f"{type(owner).__name__}.{name} = {value!r} is invalid: valid values are {list(choices)}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RLConfig(EstimatorConfig):
+    """KL-leashed on-policy RL on a task (U19 §12): a group of replies per prompt, rewarded by the task's exact
+    checker or a reward model, trained by the estimator of ``EstimatorConfig``."""
+
+    task: str | None = setting(None, "a built-in task: prompts and the exact checker", choices=TASKS)
+    n_train: int | None = setting(None, "cap on the task's train prompts", flag="train_examples")
+    reward_model: str | None = setting(None, "a reward run scoring replies instead of the checker",
+                                    metavar="RUN", path=True)
+    reference: str | None = setting(None, "the frozen reference run (default: the base)", metavar="RUN",
+                                 path=True)
+    eval_examples: int | None = setting(200, "held-out task examples scored before and after (unset: all)")
 
     def __post_init__(self) -> None:
         _check_task(self, required=True)
         object.__setattr__(self, "reward_model", _absolute(self.reward_model))
         object.__setattr__(self, "reference", _absolute(self.reference))
         _check_int(self, "n_train", 1, optional=True)
-        _check_number(self, "beta", low=0.0, positive=True)
-        if self.algorithm not in RL_ALGORITHMS:
-            raise ConfigError(f"RLConfig.algorithm = {self.algorithm!r} is invalid: valid algorithms are "
-                              f"{list(RL_ALGORITHMS)}")
-        check_group(self.k, self.algorithm, "RLConfig.k")
         _check_int(self, "eval_examples", 1, optional=True)
-        self._check_ppo()
+        super().__post_init__()
 
     def trainable_layout(self) -> tuple[str | None, tuple[str, ...]]:
         return ("policy", ("value_head",)) if self.algorithm == "ppo" else (None, ())  # PPO: V_t = w · R_t
-
-    def _check_ppo(self) -> None:
-        given = [name for name in PPO_DEFAULTS if getattr(self, name) is not None]
-        if self.algorithm != "ppo":
-            if given:
-                raise ConfigError(f"RLConfig {given} apply to algorithm 'ppo' only, not {self.algorithm!r}")
-            return
-        for name, default in PPO_DEFAULTS.items():
-            if getattr(self, name) is None:
-                object.__setattr__(self, name, default)
-        _check_int(self, "epochs", 1)
-        _check_int(self, "minibatches", 1)
-        _check_number(self, "value_coef", low=0.0)
-        _check_number(self, "value_clip", low=0.0, positive=True)
-        for name, closed in (("clip", False), ("gae_lambda", True)):
-            value = check_number(f"RLConfig.{name}", getattr(self, name), low=0.0, positive=not closed, high=1.0,
-                                 high_open=not closed)
-            object.__setattr__(self, name, value)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

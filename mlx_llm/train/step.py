@@ -274,13 +274,15 @@ def make_update(objective: Callable, tcfg: TrainConfig, optimizer: optax.Gradien
         at_step = functools.partial(objective, step=step) if takes_step else objective
         grad_fn = jax.value_and_grad(at_step, has_aux=True)
         (loss_sum, (n, load, sums)), grads = _accumulate(grad_fn, tcfg.grad_accum, params, frozen, batch, key)
-        grads = jax.tree.map(lambda g: g / n, grads)
+        # an update that counts nothing (RL's dynamic sampling dropped every group) has zero loss and gradient
+        per = jnp.maximum(n, 1)
+        grads = jax.tree.map(lambda g: g / per, grads)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         if offsets is not None:
             params = offsets(params, load)
-        metrics = {"loss": loss_sum / n, "grad_norm": optax.tree.norm(strip_routing_state(grads)), count_name: n,
-                   "expert_load": load, **{name: total / n for name, total in sums.items()}}
+        metrics = {"loss": loss_sum / per, "grad_norm": optax.tree.norm(strip_routing_state(grads)), count_name: n,
+                   "expert_load": load, **{name: total / per for name, total in sums.items()}}
         if isinstance(opt_state, SpikeState):
             metrics["spikes_skipped"] = opt_state.skipped
         if tcfg.watch_interval:
