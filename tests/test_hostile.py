@@ -49,7 +49,7 @@ def test_every_help_answers(capsys):
     for name in subcommands(build_parser()):
         proc = cli_in_process(name, "--help")
         assert proc.returncode == 0 and proc.stdout.startswith(f"usage: mlx-llm {name}"), (name, proc.stderr)
-    assert "Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral or Mamba" in " ".join(cli_in_process("--help").stdout.split())
+    assert "Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, Mamba, Gemma 2 or Gemma 3" in " ".join(cli_in_process("--help").stdout.split())
 
 
 @pytest.mark.parametrize("args, message", [
