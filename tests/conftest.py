@@ -11,14 +11,24 @@ Compilation is most of what the suite spends (programs are tiny), so the session
   least recently used entries dropped): a program compiled once is loaded wherever it is compiled again (another
   test file, another process, the next session on this machine).
 Both are environment variables set here, before jax starts its backend, so every subprocess inherits them.
+
+The session also writes bytecode (``__pycache__``, git-ignored) where the environment says not to
+(``PYTHONDONTWRITEBYTECODE``): every xdist worker and every subprocess of the suite imports the library and the
+test modules again, and without their bytecode each one compiles them from source (0.6 s more per process to
+import the training path, about 4 s more to collect the suite; pytest's rewritten test modules are cached the same
+way).
 """
 
 import gc
+import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
+sys.dont_write_bytecode = False  # this process's later imports (the test modules, the library)
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)  # the workers and subprocesses
 FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 if FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
@@ -34,6 +44,21 @@ from filelock import FileLock  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 jax.config.update("jax_platforms", "cpu")
+
+
+FILE_SECONDS = Path(__file__).with_name("file_seconds.json")  # tests/file_seconds.py writes it from a full run
+
+
+def pytest_collection_modifyitems(config, items):
+    """The test files heaviest first (their seconds in the last measured full run; files it does not list after
+    them, in collection order), each file's tests in their own order. xdist's ``--dist loadfile`` deals whole
+    files to the workers in this order, so the long files start early and the short ones fill the end, instead
+    of one worker finishing a long file alone while the other waits."""
+    seconds = json.loads(FILE_SECONDS.read_text()) if FILE_SECONDS.is_file() else {}
+    first = {}
+    for i, item in enumerate(items):
+        first.setdefault(item.path, i)
+    items.sort(key=lambda item: (-seconds.get(item.path.name, 0.0), first[item.path]))
 
 
 @pytest.fixture(scope="module", autouse=True)

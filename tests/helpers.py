@@ -80,11 +80,17 @@ def cli_in_process(*args):
     return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
-def subprocess_env(devices: int | None = None, shared_cache: bool = True, **extra) -> dict:
+def subprocess_env(devices: int | None = None, shared_cache: bool = True, fast_compile: bool = True,
+                   **extra) -> dict:
     """The environment of the suite's subprocesses: JAX on the CPU with the session's XLA flags (conftest.py: fast
-    compiles) plus ``devices`` simulated devices, and the session's compilation cache unless ``shared_cache`` is
+    compiles; without them if not ``fast_compile``, for a long-running program that XLA's optimizations make
+    faster) plus ``devices`` simulated devices, and the session's compilation cache unless ``shared_cache`` is
     False (a test of the cache's own default place); ``extra`` variables on top."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    if not fast_compile:
+        from conftest import FAST_COMPILE
+
+        env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(FAST_COMPILE, "").strip()
     if devices is not None:
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
     if not shared_cache:

@@ -44,12 +44,13 @@ def sft_start(arithmetic_sft):
 @pytest.fixture(scope="module")
 def reward_model(sft_start, tmp_path_factory):
     """A reward model trained from the SFT start on addition2's pairs (``task_pairs``): the correct sum against the
-    same sum with one digit moved by ±1, 400 steps of 32 pairs. (On arithmetic's pairs this tiny trunk stays near
-    chance: 0.54 after 400 steps, 0.52 after 1,000; README.)"""
+    same sum with one digit moved by ±1, 80 steps of 32 pairs: held-out accuracy 0.607, 0.599, 0.581, 0.604 and
+    loss 0.591, 0.606, 0.602, 0.603 with seeds 0–3 (400 steps gain nothing: 0.586, 0.589). (On arithmetic's pairs
+    this tiny trunk stays near chance: 0.54 after 400 steps, 0.52 after 1,000; README.)"""
     run = tmp_path_factory.mktemp("rm") / "rm"
     summary = reward_run(run, sft_start, settings=RewardConfig(task="addition2", n_train=4000),
-                         tcfg=tiny(steps=400, batch_size=32, lr=2e-3, warmup_steps=10, eval_interval=400,
-                                   checkpoint_interval=400), **QUIET)
+                         tcfg=tiny(steps=80, batch_size=32, lr=2e-3, warmup_steps=10, eval_interval=80,
+                                   checkpoint_interval=80), **QUIET)
     return run, summary
 
 
@@ -57,7 +58,7 @@ def test_reward_model_prefers_correct_answers_on_heldout_pairs(reward_model, sft
     """Held-out pairs are addition2's 783 held-out problems, each against a one-digit corruption: chance is 0.5 (a
     binomial standard deviation of 0.018), and ln 2 is the loss of a reward model that prefers nothing."""
     run, summary = reward_model
-    assert summary["val_accuracy"] > 0.55 and summary["val_loss"] < 0.65, summary  # measured 0.586, 0.589
+    assert summary["val_accuracy"] > 0.55 and summary["val_loss"] < 0.65, summary  # measured 0.607, 0.591
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["loss"] == pytest.approx(0.6931471805599453, abs=1e-6)  # zero head: every pair at ln 2
     rm = load_reward_model(run)

@@ -1,6 +1,7 @@
 """Scaling laws (U19 §8): every worked number of the section, and the two fits of Hoffmann et al. (2022)
 recovering known parameters and running on the published runs."""
 
+import json
 import math
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 import scipy.optimize
 
+from helpers import python, subprocess_env
 from mlx_llm.scaling.accounting import training_flops
 from mlx_llm.errors import DataError, InputError
 from mlx_llm.scaling.laws import (CHINCHILLA, ChinchillaParams, chinchilla_loss, chinchilla_objective,
@@ -269,9 +271,23 @@ def runs():
     return load_chinchilla_runs(RUNS_CSV)
 
 
+PUBLISHED_FIT = """
+import json, sys
+from mlx_llm.scaling.laws import fit_chinchilla, load_chinchilla_runs
+runs = load_chinchilla_runs(sys.argv[1])
+fit = fit_chinchilla(runs["N"], runs["D"], runs["loss"])
+print(json.dumps({k: v for k, v in fit.items() if k != "params"}))
+"""
+
+
 @pytest.fixture(scope="module")
 def published_fit(runs):
-    return fit_chinchilla(runs["N"], runs["D"], runs["loss"])  # the full 4 500-start grid, once
+    """The full 4 500-start grid, once, in a subprocess with XLA's default optimizations: the suite's fast-compile
+    flags (conftest.py) make this one long-running program about 4× slower (19 s against 5 s on 2 cores)."""
+    proc = python("-c", PUBLISHED_FIT, RUNS_CSV, env=subprocess_env(fast_compile=False), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    fit = json.loads(proc.stdout.strip().splitlines()[-1])
+    return fit | {"params": ChinchillaParams(*(fit[k] for k in ChinchillaParams._fields))}
 
 
 def test_load_published_runs(runs):
