@@ -7,6 +7,8 @@ exact digits (the run is deterministic); the others say how far another seed lan
 
     python -m experiments.main_job_seeds --out runs/main_job_seeds              # seeds 0 … 4 (≈ 25 min on 2 cores)
     python -m experiments.main_job_seeds --out /tmp/mjs --seeds 3 --steps 40    # a quick look (not the main job)
+    python -m experiments.main_job_seeds --out runs/cosine_seeds --set train.schedule=cosine \
+        --save main_job_cosine_seeds   # one setting changed (``mlx-llm train --set``), then `mlx-llm compare`
 
 Writes experiments/results/main_job_seeds.json (every run's val bits/byte, val loss, steps and loop seconds; the
 mean, standard deviation and 95 % interval over seeds) and main_job_seeds.png (the runs and the interval).
@@ -26,7 +28,7 @@ from mlx_llm import stats
 PLOT = common.RESULTS / "main_job_seeds.png"
 
 
-def run_seed(seed: int, out: Path, cache: Path, steps: int | None) -> dict:
+def run_seed(seed: int, out: Path, cache: Path, steps: int | None, sets: list[str] = ()) -> dict:
     """One ``mlx-llm train`` with its defaults and ``--seed seed`` in a fresh process; its summary's numbers."""
     run_dir = out / f"seed{seed}"
     if not (run_dir / "summary.json").is_file():
@@ -34,6 +36,8 @@ def run_seed(seed: int, out: Path, cache: Path, steps: int | None) -> dict:
                str(cache), "--no-progress", "--sample-tokens", "0"]
         if steps is not None:
             cmd += ["--steps", str(steps)]
+        for setting in sets:
+            cmd += ["--set", setting]
         code = subprocess.run(cmd).returncode
         if code != 0:
             raise SystemExit(f"main_job_seeds: the run of seed {seed} ended with status {code} (its line is above)")
@@ -50,18 +54,20 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, required=True, help="a directory for the runs (a finished run is reused)")
     ap.add_argument("--cache-dir", type=Path, default=None, help="token cache (default OUT/cache)")
     ap.add_argument("--steps", type=int, default=None, help="override the main job's steps (a quick look only)")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", dest="sets",
+                    help="a setting changed in every run (`mlx-llm train --set`; repeat for several)")
     common.add_seeds_argument(ap, default=5)
     common.add_save_argument(ap, "main_job_seeds")
     args = ap.parse_args(argv)
     seeds = common.check_seeds(args.seeds)
-    rows = [run_seed(s, args.out, args.cache_dir or args.out / "cache", args.steps) for s in range(seeds)]
-    summary = stats.summarize([r["val_bpb"] for r in rows], "the main job's val bits/byte")
+    rows = [run_seed(s, args.out, args.cache_dir or args.out / "cache", args.steps, args.sets) for s in range(seeds)]
+    summary = stats.summarize([r["val_bpb"] for r in rows], "val bits/byte" + (f" with {', '.join(args.sets)}" if args.sets else " of the main job"))
     result = {"seeds": seeds, "steps": rows[0]["steps"], "runs": rows, "val_bpb": summary.as_dict(),
               "val_loss": stats.summarize([r["val_loss"] for r in rows], "val loss").as_dict(),
               "arguments": common.arguments(args)}
     print(f"val bits/byte over {seeds} seeds: {stats.describe(summary)} (95 % interval "
           f"[{summary.ci95[0]:.4f}, {summary.ci95[1]:.4f}], std {summary.std:.4f})")
-    if common.save_from_args(args, result) is not None:
+    if common.save_from_args(args, result) is not None and not args.sets:
         plot = {"metric": "val_bpb", "arms": {"main job": {"runs": rows, "summary": summary.as_dict()}}}
         common.seed_errorbars(plot, PLOT, "val bits/byte")
     return 0

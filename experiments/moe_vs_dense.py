@@ -10,11 +10,15 @@ Four runs, each a normal `mlx-llm train` run directory under --out, with the mai
   --seconds: the same wall time for both;
 - balance-u, balance-u0: the MoE with its u and with u = 0 (offsets frozen at 0), --balance-steps steps each at
   batch --balance-batch, identical otherwise: the load-balancing rule's effect.
+The four runs repeat for each seed (``--seeds K``: seeds 0 … K − 1 under OUT/seed<S>; a seed fixes the initial
+parameters and the batch order), and each comparison — MoE against dense in val bits/byte, u against u = 0 in
+load imbalance and val bits/byte — is the mean over seeds with its 95 % interval and the paired t-test's p-value
+(``experiments.common.seed_statistics``).
 Prints val bits/byte, tokens/s and load imbalance (max/mean expert load, 1 = even) side by side, writes
-results.json and load_imbalance.png (imbalance per step, u > 0 against u = 0) into --out, and the results to
-experiments/results/moe_vs_dense.json (``--save``).
+results.json and load_imbalance.png (imbalance per step of seed 0, u > 0 against u = 0) into --out, and the results
+to experiments/results/moe_vs_dense.json (``--save``).
 
-    python -m experiments.moe_vs_dense --out runs/moe_vs_dense [--seconds 120 --balance-steps 300]
+    python -m experiments.moe_vs_dense --out runs/moe_vs_dense [--seconds 120 --balance-steps 300 --seeds 3]
 """
 
 from __future__ import annotations
@@ -50,7 +54,23 @@ def run_result(run_dir: Path, cfg: ModelConfig, batch: int, summary: dict) -> di
             "imbalance_curve": curve}
 
 
-def main() -> None:
+def one_seed(out: Path, dense: ModelConfig, moe: ModelConfig, base, spec, args) -> dict:
+    """The four runs of one seed (``base.seed``) under ``out``."""
+    results = {}
+    for name, cfg in (("dense", dense), ("moe", moe)):  # the same wall time each
+        summary = common.train_for_seconds(out / name, cfg, base, spec, args.seconds, cache_dir=args.cache_dir,
+                                           label=f"{out.name} {name}")
+        results[name] = run_result(out / name, cfg, base.batch_size, summary)
+    n, batch = args.balance_steps, args.balance_batch
+    for name, cfg in (("balance-u", moe), ("balance-u0", dataclasses.replace(moe, offset_rate=0.0))):
+        tcfg = dataclasses.replace(base, steps=n, eval_interval=n, checkpoint_interval=n, batch_size=batch)
+        summary = train_run(out / name, cfg, tcfg, spec, cache_dir=args.cache_dir, show_progress=False,
+                            log=lambda *a: None)
+        results[name] = run_result(out / name, cfg, batch, summary)
+    return results
+
+
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--seconds", type=float, default=120.0, help="training-loop wall time per model")
@@ -58,31 +78,42 @@ def main() -> None:
     ap.add_argument("--balance-batch", type=int, default=8)
     ap.add_argument("--data", help="corpus (default: the Python standard library)")
     ap.add_argument("--cache-dir", type=Path)
+    common.add_seeds_argument(ap)
     common.add_save_argument(ap, "moe_vs_dense")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    seeds = common.check_seeds(args.seeds)
     dense = ModelConfig.from_json(CONFIGS / "dense.json")
     moe = ModelConfig.from_json(CONFIGS / "moe.json")
     base = dataclasses.replace(MAIN_JOB_TRAIN, log_interval=5)
     spec = DataSpec(path=args.data, vocab_size=MAIN_JOB_VOCAB)
-    results = {}
-    for name, cfg in (("dense", dense), ("moe", moe)):  # the same wall time each
-        summary = common.train_for_seconds(args.out / name, cfg, base, spec, args.seconds, cache_dir=args.cache_dir)
-        results[name] = run_result(args.out / name, cfg, base.batch_size, summary)
-    n, batch = args.balance_steps, args.balance_batch
-    for name, cfg in (("balance-u", moe), ("balance-u0", dataclasses.replace(moe, offset_rate=0.0))):
-        tcfg = dataclasses.replace(base, steps=n, eval_interval=n, checkpoint_interval=n, batch_size=batch)
-        summary = train_run(args.out / name, cfg, tcfg, spec, cache_dir=args.cache_dir, show_progress=False,
-                            log=lambda *a: None)
-        results[name] = run_result(args.out / name, cfg, batch, summary)
+    per_seed = {seed: one_seed(args.out / f"seed{seed}", dense, moe, dataclasses.replace(base, seed=seed), spec, args)
+                for seed in range(seeds)}
+    rows = [{**r, "arm": name, "seed": seed} for seed, res in per_seed.items() for name, r in res.items()]
+    size = [r for r in rows if r["arm"] in ("dense", "moe")]
+    balance = [r for r in rows if r["arm"].startswith("balance")]
+    statistics = {"val_bpb": common.seed_statistics(size, "val_bpb", baseline="dense"),
+                  "balance_imbalance": common.seed_statistics(balance, "mean_imbalance_last_half",
+                                                              baseline="balance-u0"),
+                  "balance_val_bpb": common.seed_statistics(balance, "val_bpb", baseline="balance-u0")}
+    results = {"seeds": seeds, "seconds": args.seconds, "per_seed": per_seed, "statistics": statistics,
+               "arguments": common.arguments(args)}
     common.save_result("results", results, args.out)
     common.save_from_args(args, results)
-    print(f"{'run':10s} {'steps':>6s} {'active':>9s} {'stored':>9s} {'val bpb':>8s} {'tok/s':>8s} {'train s':>8s} "
+    print(f"{'run':16s} {'steps':>6s} {'active':>9s} {'stored':>9s} {'val bpb':>8s} {'tok/s':>8s} {'train s':>8s} "
           f"{'imbalance (last half)':>22s}")
-    for name, r in results.items():
-        imb = "—" if r["mean_imbalance_last_half"] is None else f"{r['mean_imbalance_last_half']:.3f}"
-        print(f"{name:10s} {r['steps']:6d} {r['active_params']:9,d} {r['params']:9,d} {r['val_bpb']:8.4f} "
-              f"{r['tokens_per_second']:8,.0f} {r['train_seconds']:8.1f} {imb:>22s}")
-    plot(results, args.out / "load_imbalance.png")
+    for seed, res in per_seed.items():
+        for name, r in res.items():
+            imb = "—" if r["mean_imbalance_last_half"] is None else f"{r['mean_imbalance_last_half']:.3f}"
+            print(f"{name + f' s{seed}':16s} {r['steps']:6d} {r['active_params']:9,d} {r['params']:9,d} "
+                  f"{r['val_bpb']:8.4f} {r['tokens_per_second']:8,.0f} {r['train_seconds']:8.1f} {imb:>22s}")
+    for title, st in (("val bits/byte, equal wall time", statistics["val_bpb"]),
+                      ("load imbalance, last half, equal steps", statistics["balance_imbalance"]),
+                      ("val bits/byte of the balancing runs", statistics["balance_val_bpb"])):
+        print(f"{title}, over seeds 0–{seeds - 1}:")
+        for line in common.seed_lines(st):
+            print("  " + line)
+    plot(per_seed[0], args.out / "load_imbalance.png")
+    return 0
 
 
 def plot(results: dict, out: Path) -> None:
@@ -107,4 +138,4 @@ def plot(results: dict, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -129,11 +129,20 @@ def test_n_and_seed():
 
 
 # ----- name the function --------------------------------------------------------------------------
+_DEFINERS: dict[int, tuple[list, dict[str, list]]] = {}  # id(docs) → (docs, kept alive so the id stays theirs; index)
+
+
 def defined_in(example, docs) -> bool:
-    """Some document defines the name and holds every word of the docstring's first line (escapes aside)."""
+    """Some document defines the name and holds every word of the docstring's first line (escapes aside). The
+    documents that define each name are indexed once per list (one scan of the corpus, not one per example)."""
     name, words = example["answer"], re.findall(r"\w+", docstring(example).splitlines()[0])
-    pattern = re.compile(rf"def\s+{re.escape(name)}\s*\(")
-    return any(pattern.search(d.text) and all(w in d.text for w in words) for d in docs)
+    if _DEFINERS.get(id(docs), (None,))[0] is not docs:
+        index: dict[str, list] = {}
+        for d in docs:
+            for defined in set(re.findall(r"def\s+(\w+)\s*\(", d.text)):
+                index.setdefault(defined, []).append(d)
+        _DEFINERS[id(docs)] = (docs, index)
+    return any(all(w in d.text for w in words) for d in _DEFINERS[id(docs)][1].get(name, ()))
 
 
 @pytest.mark.slow

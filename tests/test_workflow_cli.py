@@ -68,6 +68,17 @@ def test_bad_set_is_refused_in_one_line_and_writes_nothing(ws, tmp_path, sets, m
     assert snapshot(tmp_path) == before and not any((tmp_path / "run").iterdir())
 
 
+def test_sample_tokens_zero_samples_nothing_and_a_negative_count_is_refused(ws, tmp_path):
+    proc = train(ws, tmp_path / "none", "--steps", 3, "--sample-tokens", 0)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((tmp_path / "none" / "summary.json").read_text())["sample"] is None
+    assert not (tmp_path / "none" / "sample.txt").exists() and "sample:" not in proc.stdout
+    proc = train(ws, tmp_path / "bad", "--steps", 3, "--sample-tokens", -3)
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "mlx-llm train: error: sample_tokens = -3 is invalid: the closing sample's length must be an integer >= 0 (0: no sample)")
+    assert not (tmp_path / "bad").exists()
+
+
 def test_set_and_its_own_flag_must_agree(ws, tmp_path):
     proc = train(ws, tmp_path / "run", "--steps", 2, "--lr", "1e-3", "--set", "train.lr=2e-3")
     assert proc.returncode == 2 and "contradicts" in proc.stderr

@@ -69,7 +69,7 @@ def add_train(sub) -> None:
     tr.add_argument("--cache-dir", type=Path, help="token cache (default ~/.cache/mlx_llm)")
     tr.add_argument("--prompt", default="def ", help="prompt of the closing sample (default %(default)r)")
     tr.add_argument("--sample-tokens", type=int, default=200, help="tokens of the closing sample (default "
-                    "%(default)s)")
+                    "%(default)s; 0: no sample)")
     tr.add_argument("--time-budget", type=float, metavar="SECONDS", help="set --steps to what fits SECONDS of "
                     "training loop on this machine (measured first)")
     add_config_flags(tr.add_argument_group("sizing by compute (instead of --steps)"), Sizing, "sizing")

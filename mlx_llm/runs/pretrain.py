@@ -20,6 +20,7 @@ from mlx_llm.runs.record import RunRecord, write_run
 from mlx_llm.runs.resume import RESUME_MAY_CHANGE, Resume, given_configs, open_resume
 from mlx_llm.runs.rundir import check_run_dir, locked_run_dir, run_info
 from mlx_llm.runs.sample import closing_sample
+from mlx_llm.settings import check_int
 from mlx_llm.scaling.accounting import param_count, steps_for_flops, steps_for_tokens_per_param, train_flops_per_token
 from mlx_llm.train.lm import finalize_config, fit_time_budget, train_loop, with_steps
 from mlx_llm.train.loop import ResumePlan
@@ -112,6 +113,8 @@ def train_run(run_dir, cfg: ModelConfig | None, tcfg: TrainConfig | None, spec: 
     that run's settings (runs/branch.py); ``options``: ``loop.fit``'s.
     """
     run_dir, main = Path(run_dir), is_main_process()
+    check_int("sample_tokens", sample_tokens, 0, reason="the closing sample's length must be an integer >= 0 "
+              "(0: no sample)")
     if not main:  # every process computes the same; process 0 alone reports and writes
         log, show_progress = _quiet, False
     trust = bool(options is not None and options.trust_unverified)
@@ -172,6 +175,8 @@ def finish_run(run_dir: Path, out: dict, cfg: ModelConfig, tcfg: TrainConfig, to
             summary["sample"] = None
             log("no closing sample: this run's tokens are ids from an external tokenizer (mlx-llm generate --run "
                 "takes and prints ids)")
+        elif sample_tokens == 0:  # asked for none (a sweep's points; `mlx-llm generate RUN` samples any run)
+            summary["sample"] = None
         else:
             summary["sample"] = closing_sample(params, cfg, tok, sample_prompt, sample_tokens, seed=tcfg.seed,
                                                objective=tcfg.objective)

@@ -247,7 +247,7 @@ def train_point(out, point: Point, data: DataSpec, cache_dir=None) -> dict:
     with contextlib.redirect_stdout(io.StringIO()):  # the loop's evaluation lines: the sweep prints one per point
         summary = train_run(run_dir, point.cfg, point.tcfg, point_data(out, data),
                             resume=(run_dir / CONFIG_FILE).is_file(), show_progress=False, cache_dir=cache_dir,
-                            sample_tokens=16, log=_quiet)
+                            sample_tokens=0, log=_quiet)  # no closing sample: a sweep compares losses
     return _row(point, summary, run_dir, time.perf_counter() - t0)
 
 
