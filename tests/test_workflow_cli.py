@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import TINY, cli_in_process, snapshot
+from helpers import TINY, cli, cli_in_process, snapshot
 from mlx_llm.config import ModelConfig, TrainConfig
 
 pytestmark = pytest.mark.slow
@@ -28,11 +28,12 @@ def ws(tmp_path_factory):
     return root
 
 
-def train(ws: Path, out: Path, *flags):
-    return cli_in_process("train", "--out", out, "--config", ws / "model.json", "--data", ws / "corpus",
-                          "--extensions", ".py", "--tokenizer", "byte", "--val-percent", 20, "--batch-size", B,
-                          "--seq-len", T, "--eval-tokens", 256, "--log-interval", 1, "--no-progress",
-                          "--sample-tokens", 4, "--cache-dir", ws / "cache", "--warmup-steps", 1, *flags)
+def train(ws: Path, out: Path, *flags, subprocess: bool = False):
+    args = ("train", "--out", out, "--config", ws / "model.json", "--data", ws / "corpus", "--extensions", ".py",
+            "--tokenizer", "byte", "--val-percent", 20, "--batch-size", B, "--seq-len", T, "--eval-tokens", 256,
+            "--log-interval", 1, "--no-progress", "--sample-tokens", 4, "--cache-dir", ws / "cache",
+            "--warmup-steps", 1, *flags)
+    return cli(*args) if subprocess else cli_in_process(*args)
 
 
 def rows(run: Path) -> list[dict]:
@@ -188,7 +189,9 @@ def test_a_cosine_run_cannot_be_branched(ws, tmp_path):
 
 # ----- profiler, HLO, diagnostics, trackers -------------------------------------------------------------------
 def test_profile_steps_trace_and_dump_hlo(ws, tmp_path):
-    proc = train(ws, tmp_path / "run", "--steps", 6, "--profile-steps", "3:2", "--dump-hlo")
+    # in a process of its own: the profiler once took down an xdist worker that had run other files before this
+    # one (a crash in native code, 2026-12-05); a command-line user's process starts fresh like this one
+    proc = train(ws, tmp_path / "run", "--steps", 6, "--profile-steps", "3:2", "--dump-hlo", subprocess=True)
     assert proc.returncode == 0, proc.stderr
     traces = list((tmp_path / "run" / "profile").rglob("*.xplane.pb"))
     assert len(traces) == 1 and traces[0].stat().st_size > 0
