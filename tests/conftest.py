@@ -65,8 +65,12 @@ def pytest_collection_modifyitems(config, items):
 def _release_compiled_functions():
     """Drop every compiled executable after each test module. The whole suite compiles thousands of functions in
     one process; keeping all of them made XLA:CPU's compiler crash (SIGSEGV inside backend_compile) late in the
-    run. Functions shared within a module stay compiled; across modules they compile again."""
+    run. Functions shared within a module stay compiled (the library's own cache of compiled training steps
+    too, ``train.step.compiled_lm_steps``); across modules they compile again."""
     yield
+    from mlx_llm.train.step import compiled_lm_steps
+
+    compiled_lm_steps.cache_clear()
     jax.clear_caches()
     gc.collect()
 

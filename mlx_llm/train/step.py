@@ -411,9 +411,30 @@ def compile_update(update: Callable, state, frozen, batch, mesh):
 def compile_lm_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, mask_id: int | None = None, *, trainable=None,
                     frozen=None, model_of: Callable | None = None):
     """The language-model step of ``tcfg`` compiled on ``mesh`` (``compile_update``): over a fresh model, or
-    over ``trainable`` beside ``frozen`` (``model_of``: see ``lm_objective``)."""
+    over ``trainable`` beside ``frozen`` (``model_of``: see ``lm_objective``). The whole-model step is kept for
+    the next run of this process with the same configs, mesh and tracing settings (``compiled_lm_steps``):
+    a resumed, repeated or evaluated run of a notebook or a test module traces, lowers and compiles it once."""
+    if trainable is None and frozen is None and model_of is None:
+        return compiled_lm_steps(cfg, tcfg, mesh, mask_id, tracing_settings())
+    return _compile_lm_step(cfg, tcfg, mesh, mask_id, trainable, frozen, model_of)
+
+
+def _compile_lm_step(cfg, tcfg, mesh, mask_id, trainable, frozen, model_of):
     update = lm_update(cfg, tcfg, optimizer_for(tcfg, cfg=cfg), mask_id, mesh_platform(mesh), model_of)
     return compile_update(update, abstract_state(cfg, tcfg, trainable), frozen, abstract_batch(tcfg), mesh)
+
+
+def tracing_settings() -> tuple:
+    """jax's global settings that change what a traced step computes (its dtypes and matmul precision)."""
+    return bool(jax.config.jax_enable_x64), str(jax.config.jax_default_matmul_precision)
+
+
+@functools.lru_cache(maxsize=4)
+def compiled_lm_steps(cfg: ModelConfig, tcfg: TrainConfig, mesh, mask_id, settings: tuple):
+    """The compiled whole-model step per (configs, mesh, mask id, ``tracing_settings``): the last four kept.
+    ``compiled_lm_steps.cache_clear()`` drops them (with ``jax.clear_caches()``, to free their memory)."""
+    del settings  # a key only: the step is traced under the settings in force now
+    return _compile_lm_step(cfg, tcfg, mesh, mask_id, None, None, None)
 
 
 @functools.lru_cache(maxsize=8)
