@@ -153,21 +153,38 @@ def train_for_steps(run_dir, cfg, tcfg, spec, steps: int, *, cache_dir=None) -> 
     is deterministic), so a comparison can be split over several commands that share its baseline; one of other
     configs is refused. Returns the summary plus ``step_seconds`` (train_seconds / steps; the load of the machine
     at the time, not a property of the arm)."""
-    from mlx_llm.config import ModelConfig, TrainConfig
     from mlx_llm.runs.pretrain import train_run
 
-    run_dir = Path(run_dir)
     tcfg = dataclasses.replace(tcfg, steps=steps, eval_interval=LONG, checkpoint_interval=LONG)
-    done = run_dir / "summary.json"
-    if done.exists():
-        same = (ModelConfig.from_json(run_dir / "config.json") == cfg
-                and TrainConfig.from_json(run_dir / "train_config.json") == tcfg)
-        if not same:
-            raise SystemExit(f"{run_dir} holds a run of other settings: give another --out, or remove it")
-        summary = json.loads(done.read_text())
-    else:
-        summary = train_run(run_dir, cfg, tcfg, spec, cache_dir=cache_dir, show_progress=False, log=lambda *a: None)
+    summary = finished_run(run_dir, cfg, tcfg) or train_run(run_dir, cfg, tcfg, spec, cache_dir=cache_dir,
+                                                            show_progress=False, log=lambda *a: None)
     return {**summary, "step_seconds": summary["train_seconds"] / max(summary["steps_this_session"], 1)}
+
+
+# how often a run logs, evaluates and checkpoints does not change what it trains
+NOT_TRAINING = ("log_interval", "eval_interval", "checkpoint_interval", "keep_checkpoints")
+
+
+def finished_run(run_dir, cfg, tcfg) -> dict | None:
+    """The summary of the run that finished in ``run_dir`` with model ``cfg`` and ``tcfg``'s training settings
+    (``NOT_TRAINING`` aside), or None when ``run_dir`` holds no finished run. A run is deterministic, so a
+    comparison can read back a run that another command trained; a finished run of another model or other
+    training settings is refused in one line (SystemExit) that names the settings that differ."""
+    from mlx_llm.config import ModelConfig
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "summary.json").is_file():
+        return None
+    if ModelConfig.from_json(run_dir / "config.json") != cfg:
+        raise SystemExit(f"{run_dir} holds a run of other settings (another model): give another --out, or remove it")
+    saved, want = json.loads((run_dir / "train_config.json").read_text()), dataclasses.asdict(tcfg)
+    differ = sorted(k for k in want if k not in NOT_TRAINING and saved.get(k) != want[k])
+    if differ:
+        had = ", ".join(f"{k}={saved.get(k)!r}" for k in differ)
+        wants = ", ".join(f"{k}={want[k]!r}" for k in differ)
+        raise SystemExit(f"{run_dir} holds a run of other settings ({had}; this run wants {wants}): give another "
+                         "--out, or remove it")
+    return json.loads((run_dir / "summary.json").read_text())
 
 
 def sft_seconds_per_step(base_run, tcfg, task: str, lora_cfg=None, rounds: int = 5) -> float:

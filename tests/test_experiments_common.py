@@ -2,6 +2,7 @@
 asked, and every script under experiments/ imports as a package module (``python -m experiments.NAME``) without
 running its main and without editing the import path."""
 
+import dataclasses
 import datetime
 import importlib
 import json
@@ -120,8 +121,13 @@ def test_train_for_steps_trains_once_and_reads_back_a_finished_run(common, monke
     assert len(calls) == 1 and calls[0].steps == 6
     assert calls[0].eval_interval == calls[0].checkpoint_interval == common.LONG
     assert first == again == {"val_bpb": 2.5, "train_seconds": 3.0, "steps_this_session": 6, "step_seconds": 0.5}
-    with pytest.raises(SystemExit, match="holds a run of other settings"):
+    # how often it logged does not change what it trained: read back too
+    assert common.train_for_steps(tmp_path / "run", TINY, tiny_train(log_interval=7), None, 6) == first
+    with pytest.raises(SystemExit, match=r"holds a run of other settings \(lr=0.01; this run wants lr=0.02\)"):
         common.train_for_steps(tmp_path / "run", TINY, tiny_train(lr=2e-2), None, 6)
+    with pytest.raises(SystemExit, match=r"holds a run of other settings \(another model\)"):
+        common.train_for_steps(tmp_path / "run", dataclasses.replace(TINY, d_model=TINY.d_model * 2), tiny_train(),
+                               None, 6)
     assert len(calls) == 1
 
 
