@@ -59,11 +59,12 @@ def run(out: Path, tcfg, spec, cache_dir, branch=None) -> dict:
     return summary
 
 
-def family(out: Path, base, spec, budgets, F: float, cache_dir) -> tuple[list[dict], bool]:
-    """The trunk, its branches and the cosine runs of one seed (``base.seed``) under ``out``: a row per budget
-    and whether the largest budget's branch equals the trunk bitwise."""
+def family(out: Path, base, spec, starts: dict, F: float, cache_dir) -> tuple[list[dict], bool]:
+    """The trunk, its branches and the cosine runs of one seed (``base.seed``) under ``out``, ``starts``: the
+    step each budget's decay starts at, by budget: a row per budget and whether the largest budget's branch
+    equals the trunk bitwise."""
+    budgets = sorted(starts)
     top = budgets[-1]
-    starts = {n: n - wsd_decay_steps(n, F) for n in budgets}  # the step each budget's decay starts at
     wsd_cfg = dataclasses.replace(base, steps=top, schedule="wsd", decay_fraction=F)
     trunk = out / f"wsd-{top}"
     run(trunk, wsd_cfg, spec, cache_dir)
@@ -90,7 +91,7 @@ def main(argv=None) -> int:
     seeds = common.check_seeds(args.seeds)
     budgets = sorted(int(b) for b in ("10,20" if args.quick else args.budgets).split(","))
     F, top = args.decay_fraction, budgets[-1]
-    starts = {n: n - wsd_decay_steps(n, F) for n in budgets}
+    starts = {n: n - wsd_decay_steps(n, F) for n in budgets}  # the step each budget's decay starts at
     interval = min(s for n, s in starts.items())
     if any(s % interval for s in starts.values()):
         raise SystemExit(f"the decay starts {sorted(starts.values())} must be multiples of the smallest (checkpoints)")
@@ -101,7 +102,7 @@ def main(argv=None) -> int:
     spec = DataSpec(path=args.data, vocab_size=MAIN_JOB_VOCAB)
     per_seed, runs = {}, []
     for seed in range(seeds):
-        rows, exact = family(args.out / f"seed{seed}", dataclasses.replace(base, seed=seed), spec, budgets, F,
+        rows, exact = family(args.out / f"seed{seed}", dataclasses.replace(base, seed=seed), spec, starts, F,
                              args.cache_dir)
         per_seed[seed] = {"rows": rows, "top_branch_bitwise_equal_to_trunk": exact}
         runs += [{"arm": arm, "seed": seed, "budget_steps": r["budget_steps"], "val_bpb": r[f"{arm}_val_bpb"]}
