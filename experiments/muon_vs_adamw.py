@@ -15,7 +15,7 @@ Every run is a normal run directory under --out; one that already finished with 
 (its ``summary.json`` and ``train_config.json``; how often it logged, evaluated or checkpointed aside) is read
 back instead of trained again, and one that finished with other settings is refused in one line.
 
-    python -m experiments.muon_vs_adamw --out runs/muon            # 3 seeds × 3 arms, ≈ 40 min on 2 cores
+    python -m experiments.muon_vs_adamw --out runs/muon            # 3 seeds × 3 arms, ≈ 1 h on 2 cores
     python -m experiments.muon_vs_adamw --out /tmp/m --quick --seeds 2  # 20 tiny steps (a smoke run)
     python -m experiments.muon_vs_adamw --out /tmp/m --timing-only # the two steps timed interleaved (≈ 1 min)
 """

@@ -317,3 +317,20 @@ def test_batch_loss_is_token_averaged_and_accumulation_changes_nothing():
     np.testing.assert_allclose(results[2][0], results[1][0], rtol=1e-6)
     for a, b in zip(jax.tree.leaves(results[1][1]), jax.tree.leaves(results[2][1])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_the_compiled_step_is_kept_per_configs_and_tracing_settings():
+    """A repeated run in one process gets the step compiled for the same configs and mesh back; jax's x64 setting
+    (the dtypes the step is traced with) is part of the key, so a float32 run never gets a float64 step."""
+    from mlx_llm.train.parallel import make_mesh
+    from mlx_llm.train.step import compile_lm_step, compiled_lm_steps
+
+    compiled_lm_steps.cache_clear()
+    cfg, tcfg, mesh = tiny_cfg(), tiny_train(), make_mesh()
+    step = compile_lm_step(cfg, tcfg, mesh)
+    assert compile_lm_step(cfg, tcfg, mesh) is step
+    with jax.enable_x64(False):
+        single = compile_lm_step(cfg, tcfg, mesh)
+    assert single is not step and compiled_lm_steps.cache_info().currsize == 2
+    dtypes = lambda compiled: {a.dtype for a in jax.tree.leaves(compiled.out_info)}  # noqa: E731
+    assert np.dtype("float64") not in dtypes(single) and np.dtype("float64") in dtypes(step)
