@@ -16,7 +16,8 @@ from mlx_llm.scaling.accounting import training_flops
 from mlx_llm.errors import DataError, InputError
 from mlx_llm.scaling.laws import (CHINCHILLA, ChinchillaParams, chinchilla_loss, chinchilla_objective,
                                   compute_optimal, fit_chinchilla, fixed_ratio_split, huber, isoflop_fit,
-                                  load_chinchilla_runs, loss_at_budget, optimal_exponents, predict_held_out)
+                                  load_chinchilla_runs, loss_at_budget, optimal_exponents, percentile_interval,
+                                  predict_held_out)
 
 RUNS_CSV = Path(__file__).parents[2] / "shared" / "data" / "chinchilla_svg_extracted_data.csv"
 # The nine IsoFLOP budgets of Hoffmann et al. (2022), Figure 3.
@@ -228,6 +229,32 @@ def test_held_out_intervals_from_the_bootstrap():
     assert opt["loss_ci"][0] <= opt["loss_predicted"] <= opt["loss_ci"][1]
     assert opt["N_covered"] == (opt["N_ci"][0] <= opt["N_measured"] <= opt["N_ci"][1])
     assert held["loss_error"]["mean_abs"] < 0.02
+
+
+def test_an_unbounded_replicate_gives_an_interval_to_inf_not_a_crash():
+    """A bootstrap replicate that does not pin A down (L-BFGS walked log A past the float range: seen on the quick
+    sweep's held-out fit under XLA's default flags, which crashed with OverflowError) counts as A = inf: the
+    parameter's interval ends at inf, the other ends and every finite interval keep their values, and the held-out
+    predictions of that replicate are inf, never nan."""
+    from mlx_llm.scaling.laws import _named
+
+    assert _named([800.0, 1.0, 0.5, 0.3, 0.4]) == {"E": math.exp(0.5), "A": math.inf, "B": math.exp(1.0),
+                                                     "alpha": 0.3, "beta": 0.4}
+    finite = np.array([1.0, 2.0, 3.0, 4.0, 5.0])
+    assert percentile_interval(finite, 0.5) == tuple(np.percentile(finite, [25, 75]))  # unchanged: (2, 4)
+    assert percentile_interval(np.array([1.0, 2.0, 3.0, np.inf, np.inf]), 0.5) == (2.0, np.inf)
+    assert percentile_interval(np.array([-np.inf, 2.0, 3.0]), 0.9) == (-np.inf, 3.0)
+    assert all(math.isnan(x) for x in percentile_interval(np.array([]), 0.95))
+    N, D, L, C = held_out_runs()
+    top = C == C.max()
+    point = dict(zip(ChinchillaParams._fields, TRUE))
+    samples = {k: np.full(20, v, dtype=np.float64) for k, v in point.items()}
+    samples["A"][:2] = np.inf  # 2 of 20 replicates unbounded: beyond the 97.5th percentile's neighbours
+    held = predict_held_out({**point, "samples": samples}, N[top], D[top], L[top], float(C.max()))
+    for lo, hi in held["runs"]["ci"]:
+        assert math.isfinite(lo) and hi == math.inf
+    opt = held["compute_optimal"]
+    assert not any(math.isnan(x) for x in (*opt["N_ci"], *opt["loss_ci"]))
 
 
 def test_held_out_refusals():

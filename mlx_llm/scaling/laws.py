@@ -14,6 +14,7 @@ import csv
 import itertools
 import math
 import os
+import sys
 from functools import partial
 from pathlib import Path
 from typing import NamedTuple
@@ -219,9 +220,31 @@ def _run_data(N, D, loss):
     return jnp.asarray(np.log(np.stack([N, D, loss])))
 
 
+def _exp(x: float) -> float:
+    """e^x, or inf where it leaves the float range (a bootstrap replicate whose resampled runs do not pin the
+    parameter down: L-BFGS walks a and α off together when the replicate holds too few distinct sizes)."""
+    return math.exp(x) if x < _LOG_FLOAT_MAX else math.inf
+
+
+_LOG_FLOAT_MAX = math.log(sys.float_info.max)
+
+
 def _named(x) -> dict:
     a, b, e, alpha, beta = (float(v) for v in x)
-    return {"E": math.exp(e), "A": math.exp(a), "B": math.exp(b), "alpha": alpha, "beta": beta}
+    return {"E": _exp(e), "A": _exp(a), "B": _exp(b), "alpha": alpha, "beta": beta}
+
+
+def percentile_interval(values, ci: float) -> tuple[float, float]:
+    """The central ``ci`` percentile interval of ``values`` (linear interpolation). Where values are infinite
+    (an unbounded replicate) the ends are taken at the nearest sample outward (lower / higher), so the interval
+    widens to inf instead of interpolating inf − inf into nan."""
+    tail = 50.0 * (1.0 - ci)
+    v = np.asarray(values, dtype=np.float64)
+    if v.size == 0:  # no replicate gave a number
+        return (math.nan, math.nan)
+    if np.all(np.isfinite(v)):
+        return tuple(float(q) for q in np.percentile(v, [tail, 100.0 - tail]))
+    return (float(np.percentile(v, tail, method="lower")), float(np.percentile(v, 100.0 - tail, method="higher")))
 
 
 def _multistart(starts, logs_3R, weights_R, delta, iters: int, polish_top: int):
@@ -297,9 +320,9 @@ def _bootstrap(x_best, logs_3R, delta, n_rep: int, seed: int, iters: int, ci: fl
     xs, _ = _lbfgs_batch(x0, logs_3R, jnp.asarray(weights, dtype=jnp.float64), delta, iters=iters)
     named = [_named(x) for x in np.asarray(xs)]
     samples = {k: np.array([d[k] for d in named]) for k in ChinchillaParams._fields}
-    tail = 50.0 * (1.0 - ci)
-    intervals = {k: tuple(float(q) for q in np.percentile(v, [tail, 100.0 - tail])) for k, v in samples.items()}
-    return {"ci": intervals, "samples": samples}
+    intervals = {k: percentile_interval(v, ci) for k, v in samples.items()}
+    return {"ci": intervals, "samples": samples,
+            "unbounded": {k: int(np.sum(~np.isfinite(v))) for k, v in samples.items() if not np.all(np.isfinite(v))}}
 
 
 # ----- held out: fit on the smaller budgets, predict the largest ----------------------------------------------
@@ -319,8 +342,15 @@ def _split_largest(budget, N):
 
 
 def _interval(values, ci: float):
-    tail = 50.0 * (1.0 - ci)
-    return [float(v) for v in np.nanpercentile(values, [tail, 100.0 - tail], axis=0)]
+    """``percentile_interval`` of the replicates' values that are not nan."""
+    v = np.asarray(values, dtype=np.float64)
+    return list(percentile_interval(v[~np.isnan(v)], ci))
+
+
+def _power_term(A, x, alpha):
+    """A / x^α as e^(log A − α log x): a replicate that walked log A and α off together (both huge) keeps its
+    finite value, where A / x**α would overflow x**α to inf and give 0."""
+    return np.exp(np.log(A) - alpha * np.log(x))
 
 
 def predict_held_out(fit: dict, N, D, loss, budget: float, *, ci: float = 0.95, spread: float = 4.0,
@@ -345,7 +375,8 @@ def predict_held_out(fit: dict, N, D, loss, budget: float, *, ci: float = 0.95, 
     samples = fit.get("samples")
     table = point if not samples else np.concatenate([point, np.stack([samples[k] for k in names], axis=1)])
     E, A, B, alpha, beta = (table[:, i:i + 1] for i in range(5))  # (1 + replicates, 1)
-    per_run = E + A / N ** alpha + B / D ** beta  # (1 + replicates, runs)
+    with np.errstate(over="ignore"):  # an unbounded replicate's term is inf (interval ends at inf), not a warning
+        per_run = E + _power_term(A, N, alpha) + _power_term(B, D, beta)  # (1 + replicates, runs)
     out = {"budget": float(budget), "n_runs": int(N.size), "bootstrap": int(len(table) - 1),
            "runs": {"N": N.tolist(), "D": D.tolist(), "loss": loss.tolist(), "predicted": per_run[0].tolist()},
            "loss_error": {"mean_abs": float(np.mean(np.abs(per_run[0] - loss))),
@@ -358,7 +389,8 @@ def predict_held_out(fit: dict, N, D, loss, budget: float, *, ci: float = 0.95, 
         return out
     slope, icept = np.polyfit(np.log(N), np.log(D), 1)
     log_n = np.linspace(np.log(N.min() / spread), np.log(N.max() * spread), points)
-    curve = E + A / np.exp(log_n) ** alpha + B / np.exp(icept + slope * log_n) ** beta  # (1 + replicates, points)
+    with np.errstate(over="ignore"):
+        curve = E + np.exp(np.log(A) - alpha * log_n) + np.exp(np.log(B) - beta * (icept + slope * log_n))
     best = np.argmin(curve, axis=1)
     n_star, l_star = np.exp(log_n[best]), curve[np.arange(len(table)), best]
     opt = {"N_predicted": float(n_star[0]), "loss_predicted": float(l_star[0]),

@@ -70,6 +70,7 @@ def _approach3(fit: dict, bootstrap: int) -> dict:
         alpha_s, beta_s = fit["samples"]["alpha"], fit["samples"]["beta"]
         samples = np.stack([beta_s / (alpha_s + beta_s), alpha_s / (alpha_s + beta_s)], axis=1)
         out["ci95"] = {k: list(v) for k, v in fit["ci"].items()}
+        out["unbounded"] = fit["unbounded"]  # replicates whose A, B or E left the float range (interval end: inf)
         out["ci95"] |= {"N_opt_exponent": list(np.nanpercentile(samples[:, 0], [2.5, 97.5])),
                         "D_opt_exponent": list(np.nanpercentile(samples[:, 1], [2.5, 97.5]))}
     return out
