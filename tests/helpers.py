@@ -5,8 +5,10 @@ import contextlib
 import hashlib
 import io
 import os
+import pickle
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import chex
@@ -109,6 +111,33 @@ def python(*args, devices: int | None = None, shared_cache: bool = True, env: di
         return subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 **popen_kw)
     return subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout, input=stdin)
+
+
+OPTIMIZED_CALL = """
+import pickle, sys
+import jax
+jax.config.update("jax_enable_x64", True)  # as in the suite's own processes (conftest.py)
+call, result = sys.argv[1:]
+with open(call, "rb") as f:
+    func, args, kwargs = pickle.load(f)
+out = func(*args, **kwargs)
+with open(result, "wb") as f:
+    pickle.dump(out, f)
+"""
+
+
+def optimized_call(func, *args, timeout: float = 900, **kwargs):
+    """``func(*args, **kwargs)`` in a fresh Python whose XLA compiles optimised code (``subprocess_env`` without the
+    fast-compile flags; float64 on, as in the suite), returning its result. For a test whose time goes to running
+    one long training rather than to compiling many programs: unoptimised XLA:CPU code runs that training about
+    1.5× slower, more than a process start costs. ``func``, the arguments and the result travel pickled (a library
+    function travels by name); what the call prints stays in the subprocess."""
+    with tempfile.TemporaryDirectory() as tmp:
+        call, result = Path(tmp) / "call.pkl", Path(tmp) / "result.pkl"
+        call.write_bytes(pickle.dumps((func, args, kwargs)))
+        proc = python("-c", OPTIMIZED_CALL, call, result, env=subprocess_env(fast_compile=False), timeout=timeout)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return pickle.loads(result.read_bytes())
 
 
 def cli(*args, **kw):

@@ -19,7 +19,7 @@ from mlx_llm.post.rl import rl_run
 from mlx_llm.runs.configs import DPOConfig, RewardConfig, RLConfig
 from mlx_llm.runs.load import load_params
 from mlx_llm.runs.record import open_run
-from helpers import snapshot
+from helpers import optimized_call, snapshot
 from tiny_runs import SFT
 
 pytestmark = pytest.mark.slow  # every test starts from the committed 4,000-step SFT run (conftest.py)
@@ -48,9 +48,9 @@ def reward_model(sft_start, tmp_path_factory):
     loss 0.591, 0.606, 0.602, 0.603 with seeds 0–3 (400 steps gain nothing: 0.586, 0.589). (On arithmetic's pairs
     this tiny trunk stays near chance: 0.54 after 400 steps, 0.52 after 1,000; README.)"""
     run = tmp_path_factory.mktemp("rm") / "rm"
-    summary = reward_run(run, sft_start, settings=RewardConfig(task="addition2", n_train=4000),
-                         tcfg=tiny(steps=80, batch_size=32, lr=2e-3, warmup_steps=10, eval_interval=80,
-                                   checkpoint_interval=80), **QUIET)
+    summary = optimized_call(reward_run, run, sft_start, settings=RewardConfig(task="addition2", n_train=4000),
+                             tcfg=tiny(steps=80, batch_size=32, lr=2e-3, warmup_steps=10, eval_interval=80,
+                                       checkpoint_interval=80), show_progress=False)
     return run, summary
 
 
@@ -93,9 +93,10 @@ def test_rl_moves_the_policy_on_its_leash(sft_start, tmp_path):
     200 held-out problems stays near the start. What RL buys is a claim about seeds (experiments/preference.py:
     one 150-step draw moved exact match 0.239 → 0.240); that each estimator reaches the leash's fixed point is
     checked in closed form on the bandits."""
-    summary = rl_run(tmp_path / "rl", sft_start, settings=RLConfig(task=TASK, beta=0.05, k=8, eval_examples=200),
-                     tcfg=tiny(steps=40, batch_size=16, lr=1e-4, warmup_steps=5, eval_interval=40,
-                               checkpoint_interval=40), **QUIET)
+    summary = optimized_call(rl_run, tmp_path / "rl", sft_start,
+                             settings=RLConfig(task=TASK, beta=0.05, k=8, eval_examples=200),
+                             tcfg=tiny(steps=40, batch_size=16, lr=1e-4, warmup_steps=5, eval_interval=40,
+                                       checkpoint_interval=40), show_progress=False)
     rows = rl_rows(tmp_path / "rl")
     assert len(rows) == 40 and abs(rows[0]["kl"]) < 1e-5
     late_kl = sum(r["kl"] for r in rows[-10:]) / 10
@@ -150,9 +151,9 @@ def test_ppo_stays_on_its_leash_with_clipped_updates(sft_start, tmp_path):
     sampled replies' KL to the reference grows from 0 and stays small; greedy exact match on 200 held-out problems
     stays near the start (one 200-rollout draw: 0.239 → 0.252; over seeds: experiments/preference.py)."""
     settings = RLConfig(task=TASK, algorithm="ppo", beta=0.05, k=4, epochs=2, minibatches=2, eval_examples=200)
-    summary = rl_run(tmp_path / "ppo", sft_start, settings=settings,
-                     tcfg=tiny(steps=PPO_STEPS, batch_size=16, lr=PPO_LR, warmup_steps=5, eval_interval=PPO_STEPS,
-                               checkpoint_interval=PPO_STEPS), **QUIET)
+    summary = optimized_call(rl_run, tmp_path / "ppo", sft_start, settings=settings,
+                             tcfg=tiny(steps=PPO_STEPS, batch_size=16, lr=PPO_LR, warmup_steps=5,
+                                       eval_interval=PPO_STEPS, checkpoint_interval=PPO_STEPS), show_progress=False)
     rows = rl_rows(tmp_path / "ppo")
     assert {"policy_loss", "value_loss", "clip_fraction", "approx_kl", "reply_tokens", "reward"} <= set(rows[0])
     assert all(math.isfinite(r["policy_loss"]) and r["value_loss"] >= 0 for r in rows)

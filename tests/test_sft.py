@@ -20,6 +20,7 @@ from mlx_llm.runs.configs import SFTConfig
 from mlx_llm.runs.load import load_params, merge_run
 from mlx_llm.runs.record import open_run
 from mlx_llm.data.tokenizer import ByteTokenizer
+from helpers import optimized_call
 from tiny_runs import BASE_CFG, SFT
 
 
@@ -47,9 +48,9 @@ def test_full_sft_teaches_arithmetic(base_run, tmp_path):
     (measured 1.679 and 1.656 for seeds 0 and 1, the same to 2e-6 with and without float64: this short a run is
     not yet chaotic), with every parameter trained and the run recorded as a full SFT run."""
     tcfg = TrainConfig(**SFT, steps=150, eval_interval=150, checkpoint_interval=150)
-    summary = sft_run(tmp_path / "sft", base_run, tcfg=tcfg, settings=SFTConfig(task="arithmetic", n_train=20_000,
-                                                                                 eval_examples=64),
-                      show_progress=False, log=lambda *a: None)
+    summary = optimized_call(sft_run, tmp_path / "sft", base_run, tcfg=tcfg,
+                             settings=SFTConfig(task="arithmetic", n_train=20_000, eval_examples=64),
+                             show_progress=False)
     rows = [json.loads(line) for line in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["step"] == 1 and rows[0]["loss"] > 4.0  # the base on answer tokens
     assert summary["val_loss"] < 2.0, summary
