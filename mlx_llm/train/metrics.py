@@ -60,7 +60,7 @@ def plot_losses(metrics_path: Path, out: Path) -> None:
     ax.set_ylabel("loss (nats / token)")
     ax.legend()
     ax.grid(alpha=0.3)
-    fig.tight_layout()
+    fig.subplots_adjust(left=0.1, right=0.98, bottom=0.12, top=0.97)  # fixed margins: tight_layout draws twice
     fig.savefig(out, dpi=110)
     plt.close(fig)
 
