@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mlx_llm import forward
+from mlx_llm import forward, init_params
 from mlx_llm.train.checkpoint import Checkpoints
 from mlx_llm.config import TrainConfig
 from mlx_llm.errors import CheckpointError, ConfigError
@@ -317,6 +317,33 @@ def test_batch_loss_is_token_averaged_and_accumulation_changes_nothing():
     np.testing.assert_allclose(results[2][0], results[1][0], rtol=1e-6)
     for a, b in zip(jax.tree.leaves(results[1][1]), jax.tree.leaves(results[2][1])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_the_compiled_update_is_kept_per_objective_configs_and_shapes():
+    """A repeated or resumed fine-tuning run (reward, DPO, RL) gets its compiled update back: the objective makers
+    return the same function for the same settings, and the key holds it with the configs, mesh and the trees'
+    shapes; another β is another objective, so another program. The cache keeps the last ``maxsize`` keys."""
+    from mlx_llm.post import dpo
+    from mlx_llm.train.preflight import compiled_update
+    from mlx_llm.train.step import Kept, compiled_updates, shapes_key
+
+    compiled_updates.cache_clear()
+    cfg, tcfg = tiny_cfg(max_seq_len=16), tiny_train(batch_size=4, seq_len=12)
+    params = init_params(cfg, jax.random.key(0))
+    side = {"ids": np.zeros((4, 12), np.int32), "target": np.ones((4, 12), np.float32),
+            "length": np.full(4, 12, np.int32)}
+    batch, frozen = {"chosen": side, "rejected": side}, {"reference": params}
+    objective = dpo.make_objective(cfg, 0.1, None)
+    assert dpo.make_objective(cfg, 0.1, None) is objective and dpo.make_objective(cfg, 0.2, None) is not objective
+    update = compiled_update(cfg, tcfg, objective, params, frozen, batch)
+    assert compiled_update(cfg, tcfg, dpo.make_objective(cfg, 0.1, None), params, frozen, batch) is update
+    assert compiled_update(cfg, tcfg, dpo.make_objective(cfg, 0.2, None), params, frozen, batch) is not update
+    wider = {k: {**side, "ids": np.zeros((4, 13), np.int32)} for k in batch}
+    assert shapes_key(wider) != shapes_key(batch) and shapes_key(jax.tree.map(np.copy, batch)) == shapes_key(batch)
+    kept, built = Kept(2), []
+    for key in "abca":
+        kept.get(key, lambda key=key: built.append(key) or key)
+    assert built == ["a", "b", "c", "a"]  # "a" was the least recently used when "c" came
 
 
 def test_the_compiled_step_is_kept_per_configs_and_tracing_settings():

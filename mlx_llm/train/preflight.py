@@ -26,7 +26,8 @@ from mlx_llm.kernels import backend_platform
 from mlx_llm.kernels.ssm_scan import resolve_ssm_scan
 from mlx_llm.scaling.accounting import train_flops_per_token
 from mlx_llm.train.parallel import batch_devices, check_batch_divisible, make_mesh
-from mlx_llm.train.step import abstract_state, compile_lm_step, compile_update, make_update, optimizer_for, placed_like
+from mlx_llm.train.step import (abstract_state, compile_lm_step, compile_update, compiled_updates, make_update,
+                                 optimizer_for, placed_like, shapes_key, tracing_settings)
 
 GiB = 2**30
 # Per-device HBM that XLA's TPU compiler reports as available (its CompileTimeHbmOom message), and whether
@@ -249,13 +250,22 @@ def compiled_update(cfg: ModelConfig, tcfg: TrainConfig, objective, trainable, f
     """A run's update (``train.step.make_update`` of ``objective``) compiled on the mesh of ``tcfg`` by the one
     compile path (``train.step.compile_update``) and checked against the devices' memory before the run writes
     anything: a step that cannot fit is refused in one line. ``example_batch``: one batch as the batch source
-    gives it; ``epochs`` × ``minibatches``: the optimizer updates of one step (PPO's passes over a rollout)."""
+    gives it; ``epochs`` × ``minibatches``: the optimizer updates of one step (PPO's passes over a rollout). The
+    compiled update is kept for the next run of this process with the same arguments (``train.step.compiled_updates``:
+    the same ``objective`` and ``offsets`` functions, which their makers return again for the same settings, the same
+    configs, mesh, tree shapes and jax settings): a resumed or repeated run compiles it once."""
     mesh = make_mesh(tcfg.mesh)
     rows = jax.tree.leaves(example_batch)[0].shape[0]  # pairs, or RL's prompts × replies
     check_batch_divisible(rows // minibatches, tcfg.grad_accum, mesh)
-    update = make_update(objective, tcfg, optimizer_for(tcfg, epochs * minibatches, cfg=cfg), offsets=offsets,
-                         count_name=count_name, epochs=epochs, minibatches=minibatches, n_layers=cfg.n_layers)
-    compiled = compile_update(update, abstract_state(cfg, tcfg, trainable), frozen, example_batch, mesh)
+
+    def build():
+        update = make_update(objective, tcfg, optimizer_for(tcfg, epochs * minibatches, cfg=cfg), offsets=offsets,
+                             count_name=count_name, epochs=epochs, minibatches=minibatches, n_layers=cfg.n_layers)
+        return compile_update(update, abstract_state(cfg, tcfg, trainable), frozen, example_batch, mesh)
+
+    key = (cfg, tcfg, objective, offsets, count_name, epochs, minibatches, mesh, shapes_key(trainable),
+           shapes_key(frozen), shapes_key(example_batch), tracing_settings())
+    compiled = compiled_updates.get(key, build)
     check_compiled_fits(compiled, "update")
     return compiled
 

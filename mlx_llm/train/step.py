@@ -8,6 +8,7 @@ exactly as M20 §10 defines it for a batch.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from typing import Any, Callable
@@ -229,9 +230,11 @@ def lm_objective(cfg: ModelConfig, tcfg: TrainConfig, mask_id: int | None = None
     return fn
 
 
+@functools.lru_cache(maxsize=16)
 def moe_offsets(cfg: ModelConfig, path: tuple[str, ...] = ()) -> Callable | None:
     """M20 §15's control rule for the balancing offsets of the model at ``path`` of the trainable tree (() : the
-    tree is the model); None when the model has no MoE layer."""
+    tree is the model); None when the model has no MoE layer. The same function for the same arguments (a key of
+    ``compiled_updates``)."""
     if "moe" not in cfg.ffn_pattern:
         return None
 
@@ -435,6 +438,38 @@ def compiled_lm_steps(cfg: ModelConfig, tcfg: TrainConfig, mesh, mask_id, settin
     ``compiled_lm_steps.cache_clear()`` drops them (with ``jax.clear_caches()``, to free their memory)."""
     del settings  # a key only: the step is traced under the settings in force now
     return _compile_lm_step(cfg, tcfg, mesh, mask_id, None, None, None)
+
+
+class Kept:
+    """The values of the last ``maxsize`` keys, built on a miss (a least-recently-used cache whose key need not be
+    the builder's arguments): the compiled steps a process reuses. ``cache_clear()`` drops them."""
+
+    def __init__(self, maxsize: int):
+        self.maxsize, self._values = maxsize, collections.OrderedDict()
+
+    def get(self, key, build: Callable):
+        if key in self._values:
+            self._values.move_to_end(key)
+            return self._values[key]
+        value = build()
+        self._values[key] = value
+        if len(self._values) > self.maxsize:
+            self._values.popitem(last=False)
+        return value
+
+    def cache_clear(self) -> None:
+        self._values.clear()
+
+
+# The compiled fine-tuning updates (train/preflight.compiled_update): a resumed or repeated reward, DPO or RL run
+# of this process reuses its update. Keyed by what the program is traced from.
+compiled_updates = Kept(4)
+
+
+def shapes_key(tree) -> tuple:
+    """A hashable key of a tree's structure and its leaves' shapes and dtypes (what a compile sees of it)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple((tuple(np.shape(x)), str(getattr(x, "dtype", type(x).__name__))) for x in leaves)
 
 
 @functools.lru_cache(maxsize=8)
