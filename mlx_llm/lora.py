@@ -17,6 +17,7 @@ adapted as their (d_in, ∏ out) matrix; ``wo`` (h, d_h, d) as its (h·d_h, d) m
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -83,9 +84,11 @@ def adapted(base, adapters, lora: LoRAConfig):
     return {**base, "blocks": new_groups if isinstance(base["blocks"], list) else new_groups[0]}
 
 
+@functools.lru_cache(maxsize=16)
 def model_of(lora: LoRAConfig):
     """(adapters, base) → the parameters the forward uses (``adapted``): LoRA as a trainability filter of a loss
-    (``train.step.lm_objective``'s ``model_of``), so the step and the loop never hear of adapters."""
+    (``train.step.lm_objective``'s ``model_of``), so the step and the loop never hear of adapters. One function
+    per config (a key of the kept compiled steps, ``train.step.compiled_updates``)."""
     return lambda adapters, base: adapted(base, adapters, lora)
 
 

@@ -319,6 +319,7 @@ def test_batch_loss_is_token_averaged_and_accumulation_changes_nothing():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_the_compiled_update_is_kept_per_objective_configs_and_shapes():
     """A repeated or resumed fine-tuning run (reward, DPO, RL) gets its compiled update back: the objective makers
     return the same function for the same settings, and the key holds it with the configs, mesh and the trees'

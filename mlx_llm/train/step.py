@@ -416,10 +416,13 @@ def compile_lm_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, mask_id: int | No
     """The language-model step of ``tcfg`` compiled on ``mesh`` (``compile_update``): over a fresh model, or
     over ``trainable`` beside ``frozen`` (``model_of``: see ``lm_objective``). The whole-model step is kept for
     the next run of this process with the same configs, mesh and tracing settings (``compiled_lm_steps``):
-    a resumed, repeated or evaluated run of a notebook or a test module traces, lowers and compiles it once."""
+    a resumed, repeated or evaluated run of a notebook or a test module traces, lowers and compiles it once. A
+    fine-tuning step (SFT, full or LoRA) is kept the same way in ``compiled_updates``, keyed also by the shapes of
+    ``trainable`` and ``frozen`` and by ``model_of`` (``lora.model_of`` returns one function per LoRA config)."""
     if trainable is None and frozen is None and model_of is None:
         return compiled_lm_steps(cfg, tcfg, mesh, mask_id, tracing_settings())
-    return _compile_lm_step(cfg, tcfg, mesh, mask_id, trainable, frozen, model_of)
+    key = ("lm", cfg, tcfg, mesh, mask_id, shapes_key(trainable), shapes_key(frozen), model_of, tracing_settings())
+    return compiled_updates.get(key, lambda: _compile_lm_step(cfg, tcfg, mesh, mask_id, trainable, frozen, model_of))
 
 
 def _compile_lm_step(cfg, tcfg, mesh, mask_id, trainable, frozen, model_of):
@@ -461,8 +464,8 @@ class Kept:
         self._values.clear()
 
 
-# The compiled fine-tuning updates (train/preflight.compiled_update): a resumed or repeated reward, DPO or RL run
-# of this process reuses its update. Keyed by what the program is traced from.
+# The compiled fine-tuning updates (train/preflight.compiled_update, compile_lm_step over a trainable tree): a
+# resumed or repeated SFT, reward, DPO or RL run of this process reuses its update. Keyed by what it is traced from.
 compiled_updates = Kept(4)
 
 
