@@ -41,7 +41,6 @@ def pair_logprobs(params, cfg, batch, kernels=None, *, remat: str = "none", retu
 
 
 @functools.lru_cache(maxsize=16)  # one function per setting: its jitted update compiles once
-@functools.lru_cache(maxsize=16)  # the same objective for the same settings: a key of compiled_updates
 def make_objective(cfg, beta: float, lora_cfg, nll_weight: float = 0.0, kernels=None, remat: str = "none"):
     """(trainable, frozen, pair batch, key) → (Σ DPO loss, (pairs, the policy's expert loads, {margin, accuracy,
     chosen/rejected implicit rewards} summed)): ``train.step.make_update``'s form, whose step divides by the pairs.

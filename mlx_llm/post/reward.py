@@ -63,7 +63,6 @@ def pair_rewards(params, head_D, cfg, batch, kernels=None, *, remat: str = "none
 
 
 @functools.lru_cache(maxsize=16)  # one function per setting: its jitted update compiles once
-@functools.lru_cache(maxsize=16)  # the same objective for the same settings: a key of compiled_updates
 def make_objective(cfg: ModelConfig, lora_cfg, kernels=None, remat: str = "none"):
     """(trainable, frozen, pair batch, key) → (Σ Bradley–Terry loss, (pairs, expert loads, {accuracy,
     reward_gap} summed)): ``train.step.make_update``'s form; trainable = {"model", "reward_head"}."""

@@ -57,7 +57,6 @@ def train_bandit(pi_ref, rewards, beta, *, k: int = 16, steps: int = 4000, lr: f
 
 # ----- in a language model ------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=16)  # one function per setting: its jitted update compiles once
-@functools.lru_cache(maxsize=16)  # the same objective for the same settings: a key of compiled_updates
 def make_objective(cfg, s: EstimatorConfig, lora_cfg, kernels=None, remat: str = "none"):
     """``train.step.make_update``'s objective of the estimator ``s`` for a language model: (trainable, frozen,
     update batch, key) → (Σ loss, (count, the policy's expert loads, summed terms)); the forward gives the log-
