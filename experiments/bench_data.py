@@ -69,21 +69,31 @@ CHILD = textwrap.dedent("""
 
 
 def write_corpus(root: Path, n_bytes: int, seed: int = 0) -> Path:
-    """About ``n_bytes`` of text in files of ``FILE_BYTES``: 64 distinct bodies, each file headed by its number."""
-    rng = np.random.default_rng(seed)
-    bodies = []
-    for _ in range(64):
-        lines, size = [], 0
-        while size < FILE_BYTES:
-            line = " ".join(rng.choice(WORDS, size=int(rng.integers(3, 14)))) + "\n"
-            lines.append(line)
-            size += len(line.encode("utf-8"))
-        bodies.append("".join(lines))
+    """About ``n_bytes`` of text in files of ``FILE_BYTES``: up to 64 distinct bodies (the first ones of one
+    seeded stream, so a smaller corpus draws only the bodies it uses), each file headed by its number."""
+    n_files = max(1, n_bytes // FILE_BYTES)
+    bodies = _bodies(min(64, n_files), seed)
     root.mkdir(parents=True)
-    for k in range(max(1, n_bytes // FILE_BYTES)):
+    for k in range(n_files):
         (root / f"d{k // 100:03d}" / f"f{k:05d}.txt").parent.mkdir(exist_ok=True)
         (root / f"d{k // 100:03d}" / f"f{k:05d}.txt").write_text(f"# file {k}\n" + bodies[k % 64])
     return root
+
+
+def _bodies(n: int, seed: int) -> list[str]:
+    """The first ``n`` file bodies of the stream of ``seed``: lines of 3 to 13 words drawn uniformly from WORDS,
+    to at least FILE_BYTES each (word indices drawn as ``rng.integers``, the same draws ``rng.choice`` makes)."""
+    rng, words = np.random.default_rng(seed), WORDS
+    sizes = [len(w.encode("utf-8")) for w in words]
+    bodies = []
+    for _ in range(n):
+        lines, size = [], 0
+        while size < FILE_BYTES:
+            picks = rng.integers(0, len(words), size=int(rng.integers(3, 14)))
+            lines.append(" ".join([words[i] for i in picks]) + "\n")
+            size += sum([sizes[i] for i in picks]) + len(picks)
+        bodies.append("".join(lines))
+    return bodies
 
 
 def make_tokenizer(kind: str, corpus: Path, out: Path) -> Path:

@@ -47,7 +47,8 @@ U = 2.0 ** -52  # float64's machine epsilon
 AUTODIFF_VS_CENTRAL = "autodiff~central"
 ANALYTIC_VS_AUTODIFF = "analytic~autodiff"
 _ROWS = 16  # directions per compiled evaluation (each evaluated at 4 points)
-_CPU_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+_CPU_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
+                "xla_cpu_use_fusion_emitters": False}  # elemental emitters: about 20 % faster compiles here
 
 
 def quick_jit(fun, **kwargs):
