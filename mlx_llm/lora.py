@@ -88,7 +88,7 @@ def adapted(base, adapters, lora: LoRAConfig):
 def model_of(lora: LoRAConfig):
     """(adapters, base) → the parameters the forward uses (``adapted``): LoRA as a trainability filter of a loss
     (``train.step.lm_objective``'s ``model_of``), so the step and the loop never hear of adapters. One function
-    per config (a key of the kept compiled steps, ``train.step.compiled_updates``)."""
+    per config (a key of the kept compiled steps, ``train.step.compiled_steps``)."""
     return lambda adapters, base: adapted(base, adapters, lora)
 
 

@@ -65,14 +65,12 @@ def pytest_collection_modifyitems(config, items):
 def _release_compiled_functions():
     """Drop every compiled executable after each test module. The whole suite compiles thousands of functions in
     one process; keeping all of them made XLA:CPU's compiler crash (SIGSEGV inside backend_compile) late in the
-    run. Functions shared within a module stay compiled (the library's own caches of compiled training steps and
-    fine-tuning updates too, ``train.step.compiled_lm_steps`` and ``compiled_updates``); across modules they
-    compile again."""
+    run. Functions shared within a module stay compiled (the library's own cache of every run kind's compiled step
+    too, ``train.step.compiled_steps``); across modules they compile again."""
     yield
-    from mlx_llm.train.step import compiled_lm_steps, compiled_updates
+    from mlx_llm.train.step import compiled_steps
 
-    compiled_lm_steps.cache_clear()
-    compiled_updates.cache_clear()
+    compiled_steps.cache_clear()
     jax.clear_caches()
     gc.collect()
 

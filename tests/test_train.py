@@ -326,9 +326,9 @@ def test_the_compiled_update_is_kept_per_objective_configs_and_shapes():
     shapes; another β is another objective, so another program. The cache keeps the last ``maxsize`` keys."""
     from mlx_llm.post import dpo
     from mlx_llm.train.preflight import compiled_update
-    from mlx_llm.train.step import Kept, compiled_updates, shapes_key
+    from mlx_llm.train.step import Kept, compiled_steps, shapes_key
 
-    compiled_updates.cache_clear()
+    compiled_steps.cache_clear()
     cfg, tcfg = tiny_cfg(max_seq_len=16), tiny_train(batch_size=4, seq_len=12)
     params = init_params(cfg, jax.random.key(0))
     side = {"ids": np.zeros((4, 12), np.int32), "target": np.ones((4, 12), np.float32),
@@ -351,14 +351,14 @@ def test_the_compiled_step_is_kept_per_configs_and_tracing_settings():
     """A repeated run in one process gets the step compiled for the same configs and mesh back; jax's x64 setting
     (the dtypes the step is traced with) is part of the key, so a float32 run never gets a float64 step."""
     from mlx_llm.train.parallel import make_mesh
-    from mlx_llm.train.step import compile_lm_step, compiled_lm_steps
+    from mlx_llm.train.step import compile_lm_step, compiled_steps
 
-    compiled_lm_steps.cache_clear()
+    compiled_steps.cache_clear()
     cfg, tcfg, mesh = tiny_cfg(), tiny_train(), make_mesh()
     step = compile_lm_step(cfg, tcfg, mesh)
     assert compile_lm_step(cfg, tcfg, mesh) is step
     with jax.enable_x64(False):
         single = compile_lm_step(cfg, tcfg, mesh)
-    assert single is not step and compiled_lm_steps.cache_info().currsize == 2
+    assert single is not step and len(compiled_steps) == 2
     dtypes = lambda compiled: {a.dtype for a in jax.tree.leaves(compiled.out_info)}  # noqa: E731
     assert np.dtype("float64") not in dtypes(single) and np.dtype("float64") in dtypes(step)

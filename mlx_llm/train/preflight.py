@@ -26,7 +26,7 @@ from mlx_llm.kernels import backend_platform
 from mlx_llm.kernels.ssm_scan import resolve_ssm_scan
 from mlx_llm.scaling.accounting import train_flops_per_token
 from mlx_llm.train.parallel import batch_devices, check_batch_divisible, make_mesh
-from mlx_llm.train.step import (abstract_state, compile_lm_step, compile_update, compiled_updates, make_update,
+from mlx_llm.train.step import (abstract_state, compile_lm_step, compile_update, compiled_steps, make_update,
                                  optimizer_for, placed_like, shapes_key, tracing_settings)
 
 GiB = 2**30
@@ -251,7 +251,7 @@ def compiled_update(cfg: ModelConfig, tcfg: TrainConfig, objective, trainable, f
     compile path (``train.step.compile_update``) and checked against the devices' memory before the run writes
     anything: a step that cannot fit is refused in one line. ``example_batch``: one batch as the batch source
     gives it; ``epochs`` × ``minibatches``: the optimizer updates of one step (PPO's passes over a rollout). The
-    compiled update is kept for the next run of this process with the same arguments (``train.step.compiled_updates``:
+    compiled update is kept for the next run of this process with the same arguments (``train.step.compiled_steps``:
     the same ``objective`` and ``offsets`` functions, which their makers return again for the same settings, the same
     configs, mesh, tree shapes and jax settings): a resumed or repeated run compiles it once."""
     mesh = make_mesh(tcfg.mesh)
@@ -265,7 +265,7 @@ def compiled_update(cfg: ModelConfig, tcfg: TrainConfig, objective, trainable, f
 
     key = (cfg, tcfg, objective, offsets, count_name, epochs, minibatches, mesh, shapes_key(trainable),
            shapes_key(frozen), shapes_key(example_batch), tracing_settings())
-    compiled = compiled_updates.get(key, build)
+    compiled = compiled_steps.get(key, build)
     check_compiled_fits(compiled, "update")
     return compiled
 

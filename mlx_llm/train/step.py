@@ -234,7 +234,7 @@ def lm_objective(cfg: ModelConfig, tcfg: TrainConfig, mask_id: int | None = None
 def moe_offsets(cfg: ModelConfig, path: tuple[str, ...] = ()) -> Callable | None:
     """M20 §15's control rule for the balancing offsets of the model at ``path`` of the trainable tree (() : the
     tree is the model); None when the model has no MoE layer. The same function for the same arguments (a key of
-    ``compiled_updates``)."""
+    ``compiled_steps``)."""
     if "moe" not in cfg.ffn_pattern:
         return None
 
@@ -415,14 +415,12 @@ def compile_lm_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, mask_id: int | No
                     frozen=None, model_of: Callable | None = None):
     """The language-model step of ``tcfg`` compiled on ``mesh`` (``compile_update``): over a fresh model, or
     over ``trainable`` beside ``frozen`` (``model_of``: see ``lm_objective``). The whole-model step is kept for
-    the next run of this process with the same configs, mesh and tracing settings (``compiled_lm_steps``):
+    the next run of this process with the same configs, mesh and tracing settings (``compiled_steps``):
     a resumed, repeated or evaluated run of a notebook or a test module traces, lowers and compiles it once. A
-    fine-tuning step (SFT, full or LoRA) is kept the same way in ``compiled_updates``, keyed also by the shapes of
-    ``trainable`` and ``frozen`` and by ``model_of`` (``lora.model_of`` returns one function per LoRA config)."""
-    if trainable is None and frozen is None and model_of is None:
-        return compiled_lm_steps(cfg, tcfg, mesh, mask_id, tracing_settings())
+    fine-tuning step (SFT, full or LoRA) is kept the same way, keyed also by the shapes of ``trainable`` and
+    ``frozen`` and by ``model_of`` (``lora.model_of`` returns one function per LoRA config)."""
     key = ("lm", cfg, tcfg, mesh, mask_id, shapes_key(trainable), shapes_key(frozen), model_of, tracing_settings())
-    return compiled_updates.get(key, lambda: _compile_lm_step(cfg, tcfg, mesh, mask_id, trainable, frozen, model_of))
+    return compiled_steps.get(key, lambda: _compile_lm_step(cfg, tcfg, mesh, mask_id, trainable, frozen, model_of))
 
 
 def _compile_lm_step(cfg, tcfg, mesh, mask_id, trainable, frozen, model_of):
@@ -433,14 +431,6 @@ def _compile_lm_step(cfg, tcfg, mesh, mask_id, trainable, frozen, model_of):
 def tracing_settings() -> tuple:
     """jax's global settings that change what a traced step computes (its dtypes and matmul precision)."""
     return bool(jax.config.jax_enable_x64), str(jax.config.jax_default_matmul_precision)
-
-
-@functools.lru_cache(maxsize=4)
-def compiled_lm_steps(cfg: ModelConfig, tcfg: TrainConfig, mesh, mask_id, settings: tuple):
-    """The compiled whole-model step per (configs, mesh, mask id, ``tracing_settings``): the last four kept.
-    ``compiled_lm_steps.cache_clear()`` drops them (with ``jax.clear_caches()``, to free their memory)."""
-    del settings  # a key only: the step is traced under the settings in force now
-    return _compile_lm_step(cfg, tcfg, mesh, mask_id, None, None, None)
 
 
 class Kept:
@@ -460,13 +450,18 @@ class Kept:
             self._values.popitem(last=False)
         return value
 
+    def __len__(self) -> int:
+        return len(self._values)
+
     def cache_clear(self) -> None:
         self._values.clear()
 
 
-# The compiled fine-tuning updates (train/preflight.compiled_update, compile_lm_step over a trainable tree): a
-# resumed or repeated SFT, reward, DPO or RL run of this process reuses its update. Keyed by what it is traced from.
-compiled_updates = Kept(4)
+# Every run kind's compiled step, the last eight (compile_lm_step for pretraining and SFT, full or LoRA;
+# train/preflight.compiled_update for reward, DPO and RL): a resumed, repeated or evaluated run of this process
+# reuses its step. Keyed by what it is traced from. ``compiled_steps.cache_clear()`` drops them (with
+# ``jax.clear_caches()``, to free their memory).
+compiled_steps = Kept(8)
 
 
 def shapes_key(tree) -> tuple:
