@@ -22,6 +22,13 @@ against KL (leash_frontier.png). Writes results.json into --out and experiments/
     python -m experiments.preference --out OUT --sft SFT --only rl_checker,rl_grpo,rl_dr_grpo,rl_dapo,rl_gspo,rl_ppo \
         --seeds 3 --steps 20 --batch-size 8 --k 4 --lr 1e-4 --seq-len 64 --eval-examples 200 --save preference_algorithms
 
+``--ppo-grid EPOCHS:LRS`` sweeps PPO's passes over each rollout and its learning rate instead (the methods
+``rl_ppo_e{E}_lr{LR}``, every cell over the same seeds, each compared with the group trainer ``rl_checker`` of the
+same --out, paired by seed; no β sweep):
+
+    python -m experiments.preference --out OUT --sft SFT --ppo-grid 1,2,4:1e-4,3e-4 --seeds 3 --steps 20 \
+        --batch-size 8 --k 4 --seq-len 64 --eval-examples 200 --save preference_ppo_grid
+
 A method's seed whose run directory already holds a summary is read back, not trained again, so a comparison can be
 built over several commands (one method each) into the same --out and reported by the last.
 """
@@ -56,6 +63,22 @@ LONG = 100_000  # a step count no timed run reaches: --seconds ends it
 RL_ALGORITHMS = {"rl_checker": "group", "rl_grpo": "grpo", "rl_dr_grpo": "dr_grpo", "rl_dapo": "dapo",
                  "rl_gspo": "gspo", "rl_ppo": "ppo"}
 METHODS = (*RL_ALGORITHMS, "rl_reward_model", "dpo", "dpo_nll")
+
+
+def ppo_grid(spec: str) -> dict[str, tuple[int, float]]:
+    """``"1,2,4:1e-4,3e-4"`` → {``rl_ppo_e1_lr0.0001``: (1, 1e-4), …}: every (epochs, learning rate) pair, or one
+    line (SystemExit) naming what is wrong."""
+    try:
+        epochs_text, lrs_text = spec.split(":")
+        epochs = [int(e) for e in epochs_text.split(",")]
+        lrs = [float(x) for x in lrs_text.split(",")]
+    except ValueError:
+        raise SystemExit(f"--ppo-grid {spec!r}: give EPOCHS:LRS, e.g. 1,2,4:1e-4,3e-4 (integers, then numbers)")
+    if any(e < 1 for e in epochs) or any(not (0 < x < 1) for x in lrs) or len(set(epochs)) < len(epochs) \
+            or len(set(lrs)) < len(lrs):
+        raise SystemExit(f"--ppo-grid {spec!r}: the epochs must be distinct integers >= 1 and the learning rates "
+                         f"distinct numbers in (0, 1)")
+    return {f"rl_ppo_e{e}_lr{x:g}": (e, x) for e in epochs for x in lrs}
 
 
 def timed(tcfg, steps: int | None = None, **changes):
@@ -217,6 +240,8 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, help="prompts (RL) or pairs (DPO) per step (default: the recipe's)")
     ap.add_argument("--replot", action="store_true", help="redraw OUT's plots from its runs and results.json")
     ap.add_argument("--only", help=f"comma-separated methods to run (of {', '.join(METHODS)}); no β sweep")
+    ap.add_argument("--ppo-grid", metavar="EPOCHS:LRS",
+                    help="PPO's epochs × learning rates, e.g. 1,2,4:1e-4,3e-4 (with rl_checker; no β sweep)")
     common.add_save_argument(ap, "preference")
     args = ap.parse_args()
     if args.seeds < 1:
@@ -230,8 +255,11 @@ def main() -> None:
         plot_algorithms(args.out, results.get("seeds", 1), [n for n in names if n in RL_ALGORITHMS])
         common.save_result("results", results, args.out)
         return
-    only = METHODS if args.only is None else tuple(args.only.split(","))
-    if set(only) - set(METHODS):
+    grid = {} if args.ppo_grid is None else ppo_grid(args.ppo_grid)
+    if grid and args.only is not None:
+        ap.error("--ppo-grid runs rl_checker and the grid's cells: leave out --only")
+    only = ("rl_checker", *grid) if grid else METHODS if args.only is None else tuple(args.only.split(","))
+    if set(only) - set(METHODS) - set(grid):
         ap.error(f"--only {args.only}: the methods are {', '.join(METHODS)}")
     args.out.mkdir(parents=True, exist_ok=True)
     sft = args.sft or sft_start(args.out, args.task, args.sft_seconds)
@@ -251,8 +279,9 @@ def main() -> None:
         print(f"reward model: held-out preference accuracy {rm['val_accuracy']:.3f} after {rm['steps']} steps",
               flush=True)
 
-    def rl(algorithm="group", **settings):
-        return lambda out, s, seed: rl_run(out, sft, tcfg=timed(PREF_TRAIN["rl"], args.steps, seed=seed, **batch),
+    def rl(algorithm="group", lr=None, **settings):
+        changes = {**batch, "lr": lr} if lr is not None else batch
+        return lambda out, s, seed: rl_run(out, sft, tcfg=timed(PREF_TRAIN["rl"], args.steps, seed=seed, **changes),
                                            max_seconds=s, settings=RLConfig(task=args.task, algorithm=algorithm,
                                                                             eval_examples=n_eval, **rl_k, **settings),
                                            **quiet)
@@ -264,7 +293,8 @@ def main() -> None:
                                                 eval_examples=n_eval, **settings), **quiet)
 
     runs = {**{name: rl(algorithm) for name, algorithm in RL_ALGORITHMS.items()},
-            "rl_reward_model": rl(reward_model=args.out / "reward"), "dpo": dpo(), "dpo_nll": dpo(nll_weight=1.0)}
+            "rl_reward_model": rl(reward_model=args.out / "reward"), "dpo": dpo(), "dpo_nll": dpo(nll_weight=1.0),
+            **{name: rl("ppo", lr=lr, epochs=epochs) for name, (epochs, lr) in grid.items()}}
     results = {"sft": str(sft), "task": args.task, "seconds": seconds, "steps": args.steps, "seeds": args.seeds,
                "reward_model": rm, "arguments": common.arguments(args)}
     for name in only:
@@ -283,7 +313,7 @@ def main() -> None:
         if args.seeds >= 2:
             print(f"{name}: held-out exact match {stats.describe(stats.summarize(results[name]['heldout_accuracy']['per_seed']))}",
                   flush=True)
-    rl_names = [n for n in only if n in RL_ALGORITHMS]
+    rl_names = [n for n in only if n in RL_ALGORITHMS or n in grid]
     if args.seeds >= 2 and "rl_checker" in rl_names:
         results["against_group"] = {}
         for name in rl_names:
@@ -296,7 +326,7 @@ def main() -> None:
                                        if k in ("mean", "ci95", "p_value", "test")})
             print(f"{name} − rl_checker, held-out exact match: {stats.verdict(diff)}", flush=True)
     frontier = {}
-    for beta in args.betas.split(",") if args.only is None else ():
+    for beta in args.betas.split(",") if args.only is None and not grid else ():
         name = f"beta_{beta}"
         rl_run(args.out / name, sft, tcfg=timed(PREF_TRAIN["rl"], **batch), max_seconds=args.beta_seconds,
                settings=RLConfig(task=args.task, beta=float(beta), eval_examples=n_eval), **quiet)
@@ -305,8 +335,12 @@ def main() -> None:
         print(f"β = {beta}: KL {frontier[beta]['kl']:.4f}, reward {frontier[beta]['reward']:.3f}", flush=True)
     results["leash_frontier"] = frontier
     plot(results, frontier, args.out)
-    if rl_names:
+    if rl_names and not grid:
         plot_algorithms(args.out, args.seeds, rl_names)
+    if grid and args.seeds >= 2:
+        results["ppo_grid"] = {name: {"epochs": e, "lr": x, "heldout_accuracy": results[name]["heldout_accuracy"],
+                                      "against_group": results["against_group"][name]}
+                               for name, (e, x) in grid.items()}
     common.save_result("results", results, args.out)
     common.save_from_args(args, results)
 

@@ -175,3 +175,17 @@ def test_a_paired_difference_needs_the_same_seeds(common):
             {"arm": "b", "seed": 1, "m": 1.5}, {"arm": "b", "seed": 2, "m": 2.5}]
     with pytest.raises(ValueError, match="b and a ran other seeds"):
         common.seed_statistics(rows, "m", baseline="a")
+
+
+def test_the_ppo_grid_names_every_cell_and_refuses_in_one_line(monkeypatch):
+    """experiments/preference.py --ppo-grid EPOCHS:LRS: one method per (epochs, learning rate), named by both."""
+    monkeypatch.syspath_prepend(str(REPO))
+    preference = importlib.import_module("experiments.preference")
+    assert preference.ppo_grid("1,4:1e-4,4e-4") == {"rl_ppo_e1_lr0.0001": (1, 1e-4), "rl_ppo_e1_lr0.0004": (1, 4e-4),
+                                                   "rl_ppo_e4_lr0.0001": (4, 1e-4), "rl_ppo_e4_lr0.0004": (4, 4e-4)}
+    for spec in ("1,4", "1,a:1e-4", "1:1e-4:2"):
+        with pytest.raises(SystemExit, match=f"--ppo-grid '{spec}': give EPOCHS:LRS"):
+            preference.ppo_grid(spec)
+    for spec in ("0:1e-4", "1,1:1e-4", "2:1.5", "2:1e-4,1e-4"):
+        with pytest.raises(SystemExit, match=f"--ppo-grid '{spec}': the epochs must be distinct integers >= 1"):
+            preference.ppo_grid(spec)
