@@ -52,6 +52,21 @@ def test_only_given_flags_reach_the_command():
     assert given(args) == {"data": {"extensions": (".py", ".md")}, "train": {"loss_chunk": "auto"}}
 
 
+def test_every_boolean_setting_has_an_off_flag():
+    """A boolean setting whose default is on, or left to the config to resolve (dapo's dynamic sampling), is turned
+    off by ``--no-<flag>``; the flag that is not given reaches nothing."""
+    from mlx_llm.runs.configs import RLConfig
+
+    parse = build_parser().parse_args
+    assert given(parse(["rl", "--out", "x", "--no-dynamic-sampling"])) == {"settings": {"dynamic_sampling": False}}
+    assert given(parse(["rl", "--out", "x", "--dynamic-sampling"])) == {"settings": {"dynamic_sampling": True}}
+    assert given(parse(["train", "--no-skip-spikes"])) == {"train": {"skip_spikes": False}}
+    assert RLConfig(task="arithmetic", algorithm="dapo").dynamic_sampling is True
+    assert RLConfig(task="arithmetic", algorithm="dapo", dynamic_sampling=False).dynamic_sampling is False
+    bools = [a for p in subcommands().values() for a in p._actions if isinstance(a, argparse.BooleanOptionalAction)]
+    assert bools and all(a.option_strings[1] == "--no-" + a.option_strings[0][2:] for a in bools)
+
+
 def test_help_shows_the_recipes_defaults(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train", "--help"])

@@ -74,8 +74,8 @@ def add_config_flags(parser, cls, section: str, *, shown=None, only: Iterable[st
         target = (groups or {}).get(f.name, parser)
         kwargs: dict[str, Any] = {"dest": section + SEP + f.name, "default": argparse.SUPPRESS,
                                   "help": _help(f, shown)}
-        if f.type in BOOLS:  # the flag turns it on; --set SECTION.FIELD=false turns off a default that is on
-            kwargs["action"] = "store_true"
+        if f.type in BOOLS:  # --flag turns it on, --no-flag off (a default that is on, or one the config resolves)
+            kwargs["action"] = argparse.BooleanOptionalAction
         else:
             kwargs["type"] = absolute_path if f.metadata.get("path") else TYPES[f.type]
             if "nargs" in f.metadata:
