@@ -22,7 +22,7 @@ without the largest budget, predicting its runs' losses and its compute-optimal 
 intervals, against what it measured; ``scaling.sweep.fit_sweep``) and three plots. Rerunning the command on the
 same ``--out`` continues where it stopped (``run_sweep``); another grid there is refused by field name.
 
-    python -m experiments.scaling_sweep                 # the full sweep: 20 runs, ~25 min on 2 shared CPU cores
+    python -m experiments.scaling_sweep                 # the full sweep: 20 runs, 8 min on 2 idle CPU cores
     python -m experiments.scaling_sweep --quick         # CI: 15 tiny runs on the stdlib's json package
     python -m experiments.scaling_sweep --ray           # the points as tasks of a local Ray cluster
     python -m experiments.scaling_sweep --ray auto --ray-gpus-per-task 1   # on a running cluster, a GPU a run

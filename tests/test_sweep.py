@@ -302,15 +302,14 @@ def test_quick_rerun_trains_nothing(quick_out):
 RESULTS = REPO / "experiments" / "results"
 
 
-def test_committed_sweep_is_the_full_grids_first_points():
-    """sweep.json is the full grid's spec; sweep.csv holds the points that run reached, in grid order (the local
-    runner trains them one after another; docs/scaling-laws.md says where it stopped and why), at least three
-    budgets' worth for the held-out mode, each row sized as the grid sizes it."""
+def test_committed_sweep_is_the_full_grid():
+    """sweep.json is the full grid's spec; sweep.csv holds every one of its 20 points, in grid order (the local
+    runner trains them one after another), four budgets, each row sized as the grid sizes it."""
     assert SweepSpec.from_dict(json.loads((RESULTS / "sweep.json").read_text())) == sweep_mod.FULL
     rows = read_table(RESULTS / "sweep.csv")
     grid = points(sweep_mod.FULL, 512)
-    assert [r["name"] for r in rows] == [p.name for p in grid[:len(rows)]] and len(rows) >= 14
-    assert len({r["budget"] for r in rows}) >= 3
+    assert [r["name"] for r in rows] == [p.name for p in grid] and len(rows) == 20
+    assert len({r["budget"] for r in rows}) == 4
     expected = {p.name: p for p in grid}
     for r in rows:
         p = expected[r["name"]]
