@@ -362,3 +362,24 @@ def test_the_compiled_step_is_kept_per_configs_and_tracing_settings():
     assert single is not step and len(compiled_steps) == 2
     dtypes = lambda compiled: {a.dtype for a in jax.tree.leaves(compiled.out_info)}  # noqa: E731
     assert np.dtype("float64") not in dtypes(single) and np.dtype("float64") in dtypes(step)
+
+
+def test_the_loss_plot_leaves_the_matplotlib_backend_alone(tmp_path):
+    """A run draws loss.png without pyplot: a notebook's backend (inline) and its open figures are untouched."""
+    import matplotlib
+    import matplotlib.pyplot as plt
+
+    from mlx_llm.train.metrics import plot_losses
+
+    before = matplotlib.get_backend()
+    matplotlib.use("svg")
+    try:
+        figure = plt.figure()
+        rows = [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.5, "val_loss": 2.7}]
+        (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        plot_losses(tmp_path / "metrics.jsonl", tmp_path / "loss.png")
+        assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert matplotlib.get_backend() == "svg" and plt.get_fignums() == [figure.number]
+    finally:
+        plt.close("all")
+        matplotlib.use(before)

@@ -43,15 +43,15 @@ def write_summary(run_dir: Path, summary: dict) -> dict:
 
 
 def plot_losses(metrics_path: Path, out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """The run's train and val loss against the step, as a PNG. A bare ``Figure`` (no pyplot): drawing it leaves the
+    process's matplotlib backend and its open figures alone, so a notebook that trains keeps its inline plots."""
+    from matplotlib.figure import Figure
 
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line]
     train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
     val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
     if train:
         ax.plot(*zip(*train), label="train loss", lw=1)
     if val:
@@ -62,7 +62,6 @@ def plot_losses(metrics_path: Path, out: Path) -> None:
     ax.grid(alpha=0.3)
     fig.subplots_adjust(left=0.1, right=0.98, bottom=0.12, top=0.97)  # fixed margins: tight_layout draws twice
     fig.savefig(out, dpi=110)
-    plt.close(fig)
 
 
 # ----- readback ---------------------------------------------------------------------------------------------
