@@ -1,8 +1,9 @@
 """Execute the notebooks (each asserts the seed's numbers in its cells) with small settings.
 
 The kernel is ``python3`` of the interpreter running the tests (jupyter_client maps the spec's ``python`` to
-``sys.executable``); the notebooks are committed with their outputs stripped, except ``gradient_lab.ipynb``, whose
-reports are committed to be read without running it (the test checks them as well as running it again).
+``sys.executable``); ``running_example.ipynb`` is committed with its outputs stripped; ``gradient_lab.ipynb`` and ``scaling_laws.ipynb``
+are committed with theirs, from a full run, to be read without running them (the tests check what they printed as
+well as running them again, quickly).
 """
 
 from pathlib import Path
@@ -30,9 +31,19 @@ def printed(nb) -> str:
                    for out in cell.get("outputs", []) if out.get("output_type") == "stream")
 
 
-@pytest.mark.parametrize("name", ["running_example.ipynb", "scaling_laws.ipynb"])
-def test_committed_without_outputs(name):
+def committed_outputs(name: str) -> str:
+    """What a notebook committed with its outputs printed: every code cell ran, none raised."""
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    nbformat.validate(nb)
+    assert nb.metadata.kernelspec.name == "python3"
+    code = [cell for cell in nb.cells if cell.cell_type == "code"]
+    assert all(cell.execution_count for cell in code), "run it and commit it with its outputs"
+    assert not any(out.get("output_type") == "error" for cell in code for out in cell.outputs)
+    return printed(nb)
+
+
+def test_running_example_is_committed_without_outputs():
+    nb = nbformat.read(NOTEBOOKS / "running_example.ipynb", as_version=4)
     nbformat.validate(nb)
     assert nb.metadata.kernelspec.name == "python3"
     for cell in nb.cells:
@@ -52,6 +63,22 @@ def test_running_example_notebook(monkeypatch):
 def sweep_dir(tmp_path_factory):
     """The notebook's sweep directory, shared by its two executions (the second trains nothing)."""
     return str(tmp_path_factory.mktemp("notebook-sweep") / "sweep")
+
+
+SCALING_LAWS_LINES = ("quick mode: False", "L = 1.9300", "240 runs, 4500 starts", "converged: True", "15 runs in ",
+                      "run again: trained nothing", "held out: budget 1.26e+10 FLOPs, law refitted on the 10 runs",
+                      "20 runs; Approach 3: N* ∝ C^0.193", "held out 9.9e+11 FLOPs: mean |loss error| 0.2006")
+
+
+def test_scaling_laws_is_committed_with_its_outputs():
+    """A full run's outputs (Hoffmann's whole grid, the 15-point notebook sweep, the committed sweep's held-out
+    block), its plots included."""
+    text = committed_outputs("scaling_laws.ipynb")
+    assert all(line in text for line in SCALING_LAWS_LINES), [x for x in SCALING_LAWS_LINES if x not in text]
+    nb = nbformat.read(NOTEBOOKS / "scaling_laws.ipynb", as_version=4)
+    plots = sum("image/png" in out.get("data", {}) for cell in nb.cells if cell.cell_type == "code"
+                for out in cell.outputs)
+    assert plots >= 4
 
 
 @pytest.mark.slow
@@ -80,13 +107,7 @@ GRADIENT_LAB_LINES = ("max relative error, analytic ~ autodiff:", "ok: False; wo
 
 
 def test_gradient_lab_is_committed_with_its_outputs():
-    nb = nbformat.read(NOTEBOOKS / "gradient_lab.ipynb", as_version=4)
-    nbformat.validate(nb)
-    assert nb.metadata.kernelspec.name == "python3"
-    code = [cell for cell in nb.cells if cell.cell_type == "code"]
-    assert all(cell.execution_count for cell in code), "run it and commit it with its outputs"
-    assert not any(out.get("output_type") == "error" for cell in code for out in cell.outputs)
-    text = printed(nb)
+    text = committed_outputs("gradient_lab.ipynb")
     assert all(line in text for line in GRADIENT_LAB_LINES)
 
 
