@@ -189,3 +189,20 @@ def test_the_ppo_grid_names_every_cell_and_refuses_in_one_line(monkeypatch):
     for spec in ("0:1e-4", "1,1:1e-4", "2:1.5", "2:1e-4,1e-4"):
         with pytest.raises(SystemExit, match=f"--ppo-grid '{spec}': the epochs must be distinct integers >= 1"):
             preference.ppo_grid(spec)
+
+
+@pytest.mark.parametrize("name", ["preference_algorithms", "preference_algorithms_wall"])
+def test_committed_estimator_comparisons_are_their_seeds_paired(name):
+    """Each committed estimator comparison: every estimator's difference from the group trainer is the paired test
+    of the per-seed exact matches it stores, over three seeds each."""
+    from mlx_llm import stats
+
+    data = json.loads((REPO / "experiments" / "results" / f"{name}.json").read_text())
+    group = data["rl_checker"]["heldout_accuracy"]["per_seed"]
+    assert len(group) == data["seeds"] == 3
+    assert set(data["against_group"]) == {"rl_grpo", "rl_dr_grpo", "rl_dapo", "rl_gspo", "rl_ppo"}
+    for method, stored in data["against_group"].items():
+        again = stats.paired(data[method]["heldout_accuracy"]["per_seed"], group)
+        assert again.mean == pytest.approx(stored["mean"], abs=1e-12), method
+        assert again.p_value == pytest.approx(stored["p_value"], rel=1e-9), method
+        assert list(again.ci95) == pytest.approx(stored["ci95"], rel=1e-9), method

@@ -1,4 +1,4 @@
-"""The one training loop for every run kind: reward, DPO and RL runs (each loss aggregation) on a 2-device mesh
+"""The one training loop for every run kind: reward, DPO and every RL estimator (full and LoRA) on a 2-device mesh
 (`--mesh data=2`) with gradient accumulation give the losses of one device; `--eval-tokens` changes what
 post-training evaluates."""
 
@@ -13,19 +13,22 @@ from mlx_llm.post import prologue as loop
 from mlx_llm.post import pairs as pairs_lib
 from mlx_llm.post.sft import load_data
 from mlx_llm.data.chat import ChatTemplate
+from mlx_llm.runs.configs import RL_ALGORITHMS
 from helpers import python
 
 REPO = Path(__file__).resolve().parents[1]
 RL = ["rl", "--task", "arithmetic", "--train-examples", "16", "--batch-size", "2", "--k", "2", "--eval-examples", "2",
       "--lr", "1e-4"]
+# every estimator, each with its own defaults (the KL in the reward or the loss, each loss aggregation, dapo's
+# dynamic sampling, gspo's sequence ratio), trained in full and as LoRA adapters; ppo in minibatches of the rollout
+ESTIMATOR = {a: ["--algorithm", a] for a in RL_ALGORITHMS} | {
+    "ppo": ["--algorithm", "ppo", "--epochs", "2", "--minibatches", "2", "--batch-size", "4"]}
+LORA = ["--lora-rank", "2", "--lora-alpha", "4"]
 KINDS = {"reward": ["reward", "--task", "arithmetic", "--train-examples", "64", "--batch-size", "4"],
          "dpo": ["dpo", "--task", "arithmetic", "--train-examples", "64", "--batch-size", "4", "--eval-examples", "2",
                  "--beta", "0.5"],
-         "rl": RL,  # the group trainer (seq-mean-token-sum); then the other aggregations and batch changes, full
-         # fine-tuning (LoRA: test_preference_runs): grpo (sequence, the KL in the loss; gspo and dr_grpo reduce as
-         # grpo and group do at step 1), dapo (token, dynamic sampling), ppo (minibatches of the rollout)
-         **{f"rl_{a}": [*RL, "--algorithm", a] for a in ("grpo", "dapo")},
-         "rl_ppo": [*RL, "--algorithm", "ppo", "--epochs", "2", "--minibatches", "2", "--batch-size", "4"]}
+         **{f"rl_{a}": [*RL, *flags] for a, flags in ESTIMATOR.items()},
+         **{f"rl_{a}_lora": [*RL, *flags, *LORA] for a, flags in ESTIMATOR.items()}}
 COMMON = ["--steps", "2", "--warmup-steps", "1", "--seq-len", "64", "--eval-interval", "2", "--log-interval", "1",
           "--no-progress"]
 SCRIPT = """

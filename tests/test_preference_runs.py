@@ -12,11 +12,12 @@ import pytest
 from mlx_llm import cli
 from mlx_llm.config import TrainConfig
 from mlx_llm.errors import CheckpointError, ConfigError, DataError
+from mlx_llm.interop import load_hf
 from mlx_llm.post.dpo import dpo_run
 from mlx_llm.config import LoRAConfig
 from mlx_llm.post.reward import load_reward_model, reward_run
 from mlx_llm.post.rl import rl_run
-from mlx_llm.runs.configs import DPOConfig, RewardConfig, RLConfig
+from mlx_llm.runs.configs import RL_ALGORITHMS, DPOConfig, RewardConfig, RLConfig
 from mlx_llm.runs.load import load_params
 from mlx_llm.runs.record import open_run
 from helpers import optimized_call, snapshot
@@ -119,18 +120,23 @@ def resumed_equals_uninterrupted(sft_start, tmp_path, settings: RLConfig):
     return full
 
 
-# every estimator's own state and path through a resume: no clip (group), the KL in the loss (grpo), dynamic
-# sampling's extra rounds (dapo), epochs × minibatches of a sequence ratio (gspo), the value head (ppo). dr_grpo is
-# grpo's path with other defaults (no KL, no std division) and holds nothing of its own.
-RESUMED = {"group": dict(beta=0.1), "grpo": dict(beta=0.1), "dapo": {}, "gspo": dict(epochs=2, minibatches=2),
-           "ppo": dict(beta=0.1, epochs=2, minibatches=2)}
+# every estimator's own state and path through a resume: no clip (group), the KL in the loss (grpo), no KL and no
+# std division (dr_grpo), dynamic sampling's extra rounds (dapo), epochs × minibatches of a sequence ratio (gspo),
+# the value head (ppo)
+RESUMED = {"group": dict(beta=0.1), "grpo": dict(beta=0.1), "dr_grpo": {}, "dapo": {},
+           "gspo": dict(epochs=2, minibatches=2), "ppo": dict(beta=0.1, epochs=2, minibatches=2)}
+
+
+def test_every_estimator_is_resumed():
+    assert list(RESUMED) == list(RL_ALGORITHMS)
 
 
 @pytest.mark.parametrize("algorithm", list(RESUMED))
 def test_resumed_rl_run_replays_the_same_samples_and_parameters(sft_start, tmp_path, algorithm):
     """Every estimator: on-policy samples are a function of (seed, step, parameters), so a resumed LoRA RL run
     equals the uninterrupted one, metrics line for line (ppo: value head and adapters in the checkpoint); its
-    policy loads as a model and merges; its settings are the run's, so a changed one is refused on resume."""
+    policy loads as a model, merges, and exports to transformers' layout (adapters folded in, ppo's value head
+    left out) bit for bit; its settings are the run's, so a changed one is refused on resume."""
     settings = RLConfig(task=TASK, algorithm=algorithm, k=2, n_train=50, eval_examples=8, **RESUMED[algorithm])
     full = resumed_equals_uninterrupted(sft_start, tmp_path, settings)
     rows = [json.loads(line) for line in (full / "metrics.jsonl").read_text().splitlines()]
@@ -141,6 +147,8 @@ def test_resumed_rl_run_replays_the_same_samples_and_parameters(sft_start, tmp_p
     assert open_run(full).record.settings == settings
     assert cli.main(["export-merged", "--run", str(full), "--out", str(tmp_path / "merged")]) == 0
     chex.assert_trees_all_close(jax.device_get(load_params(tmp_path / "merged")), jax.device_get(load_params(full)))
+    assert cli.main(["export", "--run", str(full), "--to", str(tmp_path / "hf")]) == 0
+    chex.assert_trees_all_equal(load_hf(tmp_path / "hf").params, jax.device_get(load_params(full)))
     assert cli.main(["rl", "--resume", "--out", str(full), "--clip", "0.3"]) == 2  # not the run's setting
 
 
