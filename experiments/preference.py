@@ -16,7 +16,7 @@ each, k1), steps, and the per-step curves (RL: mean checker reward of its sample
 reference; DPO: train preference accuracy) in preference_curves.png, with the RL estimators' reward and KL curves
 (means over seeds) in rl_algorithms.png. The β sweep trains RL (checker) for --beta-seconds per β and plots reward
 against KL (leash_frontier.png). Writes results.json into --out and experiments/results/preference.json
-(``--save``).
+(``--save``; there each per-step curve is thinned to at most 200 evenly spaced steps).
 
     python -m experiments.preference --out runs/preference [--sft RUN] [--seconds 180] [--seeds 3]
     python -m experiments.preference --out OUT --sft SFT --only rl_checker,rl_grpo,rl_dr_grpo,rl_dapo,rl_gspo,rl_ppo \
@@ -125,6 +125,21 @@ def curves(run: Path, key: str) -> list:
 def run_curves(run: Path, name: str) -> dict:
     keys = ("accuracy", "reward", "kl") if name.startswith("rl") else ("accuracy", "margin")
     return {key: curves(run, key) for key in keys}
+
+
+CURVE_POINTS = 200  # per curve in the committed results file
+
+
+def thinned(results: dict) -> dict:
+    """``results`` with every per-step curve cut to at most CURVE_POINTS evenly spaced steps, the last one kept: the
+    file under experiments/results stays small (a 60 s run logs over a thousand steps); OUT's results.json and the
+    run directories keep every step."""
+    def thin(points: list) -> list:
+        stride = -(-len(points) // CURVE_POINTS)
+        return points if stride <= 1 else points[::stride] + ([points[-1]] if (len(points) - 1) % stride else [])
+
+    return {name: {**entry, "curves": [{key: thin(c) for key, c in curves.items()} for curves in entry["curves"]]}
+            if isinstance(entry, dict) and "curves" in entry else entry for name, entry in results.items()}
 
 
 def seed_runs(out: Path, name: str, seeds: int) -> list[Path]:
@@ -342,7 +357,7 @@ def main() -> None:
                                       "against_group": results["against_group"][name]}
                                for name, (e, x) in grid.items()}
     common.save_result("results", results, args.out)
-    common.save_from_args(args, results)
+    common.save_from_args(args, thinned(results))
 
 
 if __name__ == "__main__":

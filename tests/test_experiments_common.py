@@ -206,3 +206,14 @@ def test_committed_estimator_comparisons_are_their_seeds_paired(name):
         assert again.mean == pytest.approx(stored["mean"], abs=1e-12), method
         assert again.p_value == pytest.approx(stored["p_value"], rel=1e-9), method
         assert list(again.ci95) == pytest.approx(stored["ci95"], rel=1e-9), method
+
+
+def test_committed_curves_are_thinned_evenly_with_the_last_step(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO))
+    preference = importlib.import_module("experiments.preference")
+    points = [(s, s * 0.5) for s in range(1, 1358)]
+    results = {"seeds": 3, "rl_checker": {"heldout_accuracy": {}, "curves": [{"accuracy": points, "kl": points[:150]}]}}
+    thin = preference.thinned(results)["rl_checker"]["curves"][0]
+    assert thin["kl"] == points[:150]  # short curves stay whole
+    assert thin["accuracy"][:3] == points[0:14:7] + [points[14]] and thin["accuracy"][-1] == points[-1]
+    assert len(thin["accuracy"]) <= preference.CURVE_POINTS + 1 and results["rl_checker"]["curves"][0]["accuracy"] == points

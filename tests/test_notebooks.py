@@ -1,9 +1,9 @@
 """Execute the notebooks (each asserts the seed's numbers in its cells) with small settings.
 
 The kernel is ``python3`` of the interpreter running the tests (jupyter_client maps the spec's ``python`` to
-``sys.executable``); ``running_example.ipynb`` is committed with its outputs stripped; ``gradient_lab.ipynb`` and ``scaling_laws.ipynb``
-are committed with theirs, from a full run, to be read without running them (the tests check what they printed as
-well as running them again, quickly).
+``sys.executable``); ``running_example.ipynb`` is committed with its outputs stripped; ``gradient_lab.ipynb`` and
+``scaling_laws.ipynb`` are committed with theirs, from a full run, to be read without running them (the tests check
+what they printed as well as running them again, quickly).
 """
 
 from pathlib import Path
