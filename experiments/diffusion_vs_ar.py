@@ -35,7 +35,7 @@ from experiments import common
 from experiments.common import CONFIGS
 from mlx_llm import ModelConfig, generate
 from mlx_llm.decode.diffusion import sample
-from mlx_llm.recipes import MAIN_JOB_TRAIN, MAIN_JOB_VOCAB
+from mlx_llm.recipes import ADAMW_TRAIN, MAIN_JOB_VOCAB
 from mlx_llm.data import tokenizer as tok_lib
 from mlx_llm.runs.configs import DataSpec
 from mlx_llm.runs.load import load_params
@@ -87,7 +87,7 @@ def main(argv=None) -> int:
     common.add_save_argument(ap, "diffusion_vs_ar")
     args = ap.parse_args(argv)
     seeds = common.check_seeds(args.seeds)
-    base = dataclasses.replace(MAIN_JOB_TRAIN, log_interval=5)
+    base = dataclasses.replace(ADAMW_TRAIN, log_interval=5)
     spec = DataSpec(path=args.data, vocab_size=MAIN_JOB_VOCAB)
     ar_cfg = ModelConfig.from_json(CONFIGS / "dense.json")
     models = {"ar": (ar_cfg, "ar"), "diffusion": (dataclasses.replace(ar_cfg, causal=False), "diffusion")}

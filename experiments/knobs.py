@@ -1,7 +1,8 @@
-"""Each architecture knob and optimizer option against the main job's recipe, over seeds, at equal wall time or at
-equal steps.
+"""Each architecture knob and optimizer option against the main job's AdamW recipe, over seeds, at equal wall time
+or at equal steps.
 
-Arms (``ARMS``): the main job (``baseline``: ``recipes.MAIN_JOB_MODEL`` / ``MAIN_JOB_TRAIN``, AdamW with wsd), and the
+Arms (``ARMS``): the main job as it was before Muon (``baseline``: ``recipes.MAIN_JOB_MODEL`` / ``ADAMW_TRAIN``,
+AdamW with wsd; the committed ablations were measured against it, and its ``muon`` arm is today's main job), and the
 same recipe with one change each: the logit and attention soft caps, ReLU² (at the SwiGLU's parameter count) and
 GeGLU FFNs, value embeddings, U-net skips, zero-initialised residual writers, sandwich norms, the √d embedding
 scale, Gemma 3's local/global layers with a RoPE base each, the attention-window warmup, multi-token prediction
@@ -42,7 +43,7 @@ from pathlib import Path
 
 from experiments import common
 from mlx_llm import stats
-from mlx_llm.recipes import MAIN_JOB_MODEL, MAIN_JOB_TRAIN, MAIN_JOB_VOCAB
+from mlx_llm.recipes import MAIN_JOB_MODEL, ADAMW_TRAIN, MAIN_JOB_VOCAB
 from mlx_llm.runs.configs import DataSpec
 
 BASELINE = "baseline"
@@ -90,7 +91,7 @@ def arm_overrides(name: str, quick: bool = False) -> tuple[dict, dict]:
 def recipe(quick: bool):
     """The main job's (model, train config), as the runs use it: evaluation on the whole val split at the end.
     ``quick``: tiny batches and a capped evaluation (a smoke run of the script)."""
-    tcfg = dataclasses.replace(MAIN_JOB_TRAIN, log_interval=25)
+    tcfg = dataclasses.replace(ADAMW_TRAIN, log_interval=25)
     if quick:
         tcfg = dataclasses.replace(tcfg, batch_size=4, seq_len=32, warmup_steps=2, eval_tokens=512, log_interval=5)
     return MAIN_JOB_MODEL, tcfg
@@ -100,7 +101,7 @@ def at_steps(cfg, tcfg, steps: int):
     """The arm's (model, train config) for a run of ``steps`` steps: the recipe's warmup and a window warmup
     scaled by steps / the recipe's steps (at least 1 each)."""
     def scaled(n):
-        return max(1, round(n * steps / MAIN_JOB_TRAIN.steps))
+        return max(1, round(n * steps / ADAMW_TRAIN.steps))
 
     if cfg.window_warmup_steps:
         cfg = dataclasses.replace(cfg, window_warmup_steps=scaled(cfg.window_warmup_steps))

@@ -1,9 +1,9 @@
 """Longer contexts than the model was trained on (issue 24, part 5): RoPE scaling with and without a short
 fine-tune, and sliding-window decoding against full attention.
 
-1. The main job's model (``recipes.MAIN_JOB_MODEL`` / ``MAIN_JOB_TRAIN``: seq_len T₀ = 128, the default corpus,
-   a 1024-token BPE, as ``mlx-llm train`` builds them) is trained into ``--out/base`` (read back when it already
-   finished). Its weights are then evaluated, with the library's own evaluation (``train.step.evaluate`` over the
+1. The main job's model with its AdamW recipe (``recipes.MAIN_JOB_MODEL`` / ``ADAMW_TRAIN``: seq_len T₀ = 128,
+   the default corpus, a 1024-token BPE, as ``mlx-llm train`` builds them) is trained into ``--out/base`` (read
+   back when it already finished). Its weights are then evaluated, with the library's own evaluation (``train.step.evaluate`` over the
    whole val split in consecutive windows of T tokens, as the trainer scores val bits/byte), at T = T₀ and at
    T = 2·T₀, 4·T₀ (4·T₀ = 512 = MAIN_JOB_MODEL.max_seq_len) under four RoPE settings, each only a change of the
    ModelConfig's rope fields (``dataclasses.replace``): none (plain extrapolation), linear position
@@ -50,7 +50,7 @@ from experiments import common
 from mlx_llm import init_params
 from mlx_llm.config import ModelConfig, TrainConfig
 from mlx_llm.decode.state import forward_cached, init_cache, unstack_layers
-from mlx_llm.recipes import MAIN_JOB_MODEL, MAIN_JOB_TRAIN, MAIN_JOB_VOCAB
+from mlx_llm.recipes import MAIN_JOB_MODEL, ADAMW_TRAIN, MAIN_JOB_VOCAB
 from mlx_llm.runs.configs import DataSpec
 from mlx_llm.runs.load import load_params
 from mlx_llm.runs.record import RUN_FILE, RunRecord, open_run, write_run
@@ -84,9 +84,9 @@ class Setting:
     chunk: int  # prefill chunk
 
 
-FULL = Setting(base=dataclasses.replace(MAIN_JOB_TRAIN, log_interval=25), data=None, eval_tokens=None, ft_steps=50,
+FULL = Setting(base=dataclasses.replace(ADAMW_TRAIN, log_interval=25), data=None, eval_tokens=None, ft_steps=50,
                window=256, contexts=(1024, 4096, 16384), new_tokens=64, repeats=5, chunk=1024)
-QUICK = Setting(base=dataclasses.replace(MAIN_JOB_TRAIN, steps=12, batch_size=8, seq_len=32, warmup_steps=2,
+QUICK = Setting(base=dataclasses.replace(ADAMW_TRAIN, steps=12, batch_size=8, seq_len=32, warmup_steps=2,
                                          eval_interval=12, checkpoint_interval=12, eval_tokens=2048, log_interval=4),
                 data=str(text_lib.stdlib_root() / "json"), eval_tokens=2048, ft_steps=3, window=256,
                 contexts=(1024, 4096), new_tokens=4, repeats=2, chunk=1024)

@@ -9,9 +9,13 @@ exact digits (the run is deterministic); the others say how far another seed lan
     python -m experiments.main_job_seeds --out /tmp/mjs --seeds 3 --steps 40    # a quick look (not the main job)
     python -m experiments.main_job_seeds --out runs/cosine_seeds --set train.schedule=cosine \
         --save main_job_cosine_seeds   # one setting changed (``mlx-llm train --set``), then `mlx-llm compare`
+    python -m experiments.main_job_seeds --out runs/main_job_seeds --against main_job_adamw_seeds
 
 Writes experiments/results/main_job_seeds.json (every run's val bits/byte, val loss, steps and loop seconds; the
 mean, standard deviation and 95 % interval over seeds) and main_job_seeds.png (the runs and the interval).
+``--against NAME`` also compares these runs with a committed results file of this script, paired by seed (for
+runs whose directories are gone: ``mlx-llm compare`` reads run directories); the finished runs in ``--out`` are
+read back, so it can be added after the runs.
 """
 
 from __future__ import annotations
@@ -49,6 +53,33 @@ def run_seed(seed: int, out: Path, cache: Path, steps: int | None, sets: list[st
     return row
 
 
+def against_runs(name: str) -> dict[int, float]:
+    """{seed: val bits/byte} of the committed results file ``name`` (one line, SystemExit, when it is missing or
+    is not this script's)."""
+    path = common.RESULTS / f"{name}.json"
+    if not path.is_file():
+        raise SystemExit(f"main_job_seeds: --against {name!r}: there is no {path}")
+    data = common.load_result(name, path.parent)
+    runs = data.get("runs") if isinstance(data, dict) else None
+    if not runs or not all({"seed", "val_bpb"} <= set(r) for r in runs):
+        raise SystemExit(f"main_job_seeds: --against {name!r}: {path} holds no runs with a seed and val_bpb (it is "
+                         f"not a results file of this script)")
+    return {int(r["seed"]): float(r["val_bpb"]) for r in runs}
+
+
+def paired_against(rows: list[dict], other: dict[int, float], name: str) -> dict:
+    """These runs' val bits/byte minus ``other``'s, paired over the seeds both have (at least 2)."""
+    seeds = [r["seed"] for r in rows if r["seed"] in other]
+    if len(seeds) < 2:
+        raise SystemExit(f"main_job_seeds: --against {name!r} shares {len(seeds)} seed(s) with these runs; a paired "
+                         f"test needs at least 2")
+    mine = {r["seed"]: r["val_bpb"] for r in rows}
+    a, b = [mine[s] for s in seeds], [other[s] for s in seeds]
+    d = stats.paired(a, b)
+    return {"name": name, "seeds": seeds, "other": stats.summarize(b, name).as_dict(), "difference": d.as_dict(),
+            "verdict": stats.verdict(d)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="a directory for the runs (a finished run is reused)")
@@ -56,10 +87,14 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="override the main job's steps (a quick look only)")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", dest="sets",
                     help="a setting changed in every run (`mlx-llm train --set`; repeat for several)")
+    ap.add_argument("--against", metavar="NAME", help="a committed results file of this script "
+                    "(experiments/results/NAME.json): these runs minus its runs, paired by seed over the seeds both "
+                    "have, stored as 'against' in the results")
     common.add_seeds_argument(ap, default=5)
     common.add_save_argument(ap, "main_job_seeds")
     args = ap.parse_args(argv)
     seeds = common.check_seeds(args.seeds)
+    other = against_runs(args.against) if args.against else None  # refused before any run
     rows = [run_seed(s, args.out, args.cache_dir or args.out / "cache", args.steps, args.sets) for s in range(seeds)]
     summary = stats.summarize([r["val_bpb"] for r in rows], "val bits/byte" + (f" with {', '.join(args.sets)}" if args.sets else " of the main job"))
     result = {"seeds": seeds, "steps": rows[0]["steps"], "runs": rows, "val_bpb": summary.as_dict(),
@@ -67,6 +102,9 @@ def main(argv=None) -> int:
               "arguments": common.arguments(args)}
     print(f"val bits/byte over {seeds} seeds: {stats.describe(summary)} (95 % interval "
           f"[{summary.ci95[0]:.4f}, {summary.ci95[1]:.4f}], std {summary.std:.4f})")
+    if other is not None:
+        result["against"] = paired_against(rows, other, args.against)
+        print(f"minus {args.against} over seeds {result['against']['seeds']}: {result['against']['verdict']}")
     if common.save_from_args(args, result) is not None and not args.sets:
         plot = {"metric": "val_bpb", "arms": {"main job": {"runs": rows, "summary": summary.as_dict()}}}
         common.seed_errorbars(plot, PLOT, "val bits/byte")

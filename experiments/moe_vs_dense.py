@@ -33,7 +33,7 @@ import numpy as np
 from experiments import common
 from experiments.common import CONFIGS
 from mlx_llm import ModelConfig
-from mlx_llm.recipes import MAIN_JOB_TRAIN, MAIN_JOB_VOCAB
+from mlx_llm.recipes import ADAMW_TRAIN, MAIN_JOB_VOCAB
 from mlx_llm.runs.configs import DataSpec
 from mlx_llm.runs.pretrain import METRICS_FILE, train_run
 
@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     seeds = common.check_seeds(args.seeds)
     dense = ModelConfig.from_json(CONFIGS / "dense.json")
     moe = ModelConfig.from_json(CONFIGS / "moe.json")
-    base = dataclasses.replace(MAIN_JOB_TRAIN, log_interval=5)
+    base = dataclasses.replace(ADAMW_TRAIN, log_interval=5)
     spec = DataSpec(path=args.data, vocab_size=MAIN_JOB_VOCAB)
     per_seed = {seed: one_seed(args.out / f"seed{seed}", dense, moe, dataclasses.replace(base, seed=seed), spec, args)
                 for seed in range(seeds)}

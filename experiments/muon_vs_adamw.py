@@ -28,7 +28,7 @@ import json
 from pathlib import Path
 
 from experiments import common
-from mlx_llm.recipes import MAIN_JOB_MODEL, MAIN_JOB_TRAIN, MAIN_JOB_VOCAB
+from mlx_llm.recipes import MAIN_JOB_MODEL, ADAMW_TRAIN, MAIN_JOB_VOCAB
 from mlx_llm.runs.configs import DataSpec
 from mlx_llm.data import encoding as encoding_lib
 from mlx_llm.train.parallel import make_mesh
@@ -77,7 +77,7 @@ def main(argv=None) -> int:
     common.add_save_argument(ap, "muon_vs_adamw")
     args = ap.parse_args(argv)
     if args.timing_only:
-        base = dataclasses.replace(MAIN_JOB_TRAIN, schedule="cosine")
+        base = dataclasses.replace(ADAMW_TRAIN, schedule="cosine")
         result = interleaved_step_times(base, {"adamw": base.lr, "muon": base.lr}, args.rounds,
                                         args.out / f"adamw-lr{base.lr:g}", args.cache_dir)
         print(f"step: adamw {result['seconds']['adamw'] * 1e3:.0f} ms, muon {result['seconds']['muon'] * 1e3:.0f} ms "
@@ -85,7 +85,7 @@ def main(argv=None) -> int:
         common.save_result(args.save or "muon_step_time", result)
         return 0
     seeds = common.check_seeds(args.seeds)
-    base = dataclasses.replace(MAIN_JOB_TRAIN, schedule="cosine", log_interval=25, eval_interval=MAIN_JOB_TRAIN.steps)
+    base = dataclasses.replace(ADAMW_TRAIN, schedule="cosine", log_interval=25, eval_interval=ADAMW_TRAIN.steps)
     if args.quick:
         base = dataclasses.replace(base, steps=20, batch_size=4, seq_len=32, warmup_steps=2, eval_tokens=512,
                                    eval_interval=20, checkpoint_interval=20, log_interval=5)

@@ -33,7 +33,7 @@ from experiments import common
 from experiments.common import CONFIGS
 from mlx_llm import ModelConfig
 from mlx_llm.decode.state import forward_cached, init_cache, unstack_layers
-from mlx_llm.recipes import MAIN_JOB_TRAIN, MAIN_JOB_VOCAB
+from mlx_llm.recipes import ADAMW_TRAIN, MAIN_JOB_VOCAB
 from mlx_llm.scaling.accounting import decode_state_bytes
 from mlx_llm.runs.configs import DataSpec
 from mlx_llm.runs.load import load_params
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     common.add_save_argument(ap, "ssm_vs_attention")
     args = ap.parse_args(argv)
     seeds = common.check_seeds(args.seeds)
-    base = dataclasses.replace(MAIN_JOB_TRAIN, log_interval=5)
+    base = dataclasses.replace(ADAMW_TRAIN, log_interval=5)
     spec = DataSpec(path=args.data, vocab_size=MAIN_JOB_VOCAB)
     models = ("dense", "mamba", "hybrid")
     rows = common.run_seeds(models, seeds, lambda name, seed: one_run(

@@ -32,7 +32,7 @@ import numpy as np
 
 from experiments import common
 from mlx_llm.config import wsd_decay_steps
-from mlx_llm.recipes import MAIN_JOB_MODEL, MAIN_JOB_TRAIN, MAIN_JOB_VOCAB
+from mlx_llm.recipes import MAIN_JOB_MODEL, ADAMW_TRAIN, MAIN_JOB_VOCAB
 from mlx_llm.runs.branch import Branch
 from mlx_llm.runs.configs import DataSpec
 from mlx_llm.runs.load import load_params
@@ -95,7 +95,7 @@ def main(argv=None) -> int:
     interval = min(s for n, s in starts.items())
     if any(s % interval for s in starts.values()):
         raise SystemExit(f"the decay starts {sorted(starts.values())} must be multiples of the smallest (checkpoints)")
-    base = dataclasses.replace(MAIN_JOB_TRAIN, schedule="cosine", eval_interval=top, checkpoint_interval=interval,
+    base = dataclasses.replace(ADAMW_TRAIN, schedule="cosine", eval_interval=top, checkpoint_interval=interval,
                                keep_checkpoints=top, log_interval=25)
     if args.quick:
         base = dataclasses.replace(base, batch_size=4, seq_len=32, warmup_steps=2, eval_tokens=512, log_interval=4)

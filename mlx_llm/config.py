@@ -540,7 +540,7 @@ class TrainConfig(JsonConfig):
                               "and dpo), split into --grad-accum micro-batches")
     seq_len: int = setting(256, "positions per training sequence")
     steps: int = setting(1000, "optimizer steps (on --resume: may only grow, extending the run)")
-    lr: float = setting(3e-3, "peak learning rate of the warmup-cosine schedule")
+    lr: float = setting(3e-3, "peak learning rate of the schedule (warmup, then cosine or wsd)")
     warmup_steps: int = setting(50, "steps of linear warmup to the peak lr")
     final_lr_fraction: float = setting(0.1, "the cosine's end, as a fraction of the peak lr")
     clip_norm: float = setting(1.0, "global gradient-norm clip")

@@ -72,6 +72,7 @@ def test_help_shows_the_recipes_defaults(capsys):
         build_parser().parse_args(["train", "--help"])
     out = capsys.readouterr().out
     assert "(default: 700)" in out and "(default: 1024)" in out  # the main job's steps and vocabulary
+    assert "(default: muon)" in out and "(default: 0.01)" in out  # its optimizer and peak learning rate
 
 
 def test_mlx_llm_help_imports_no_jax():

@@ -55,6 +55,31 @@ def test_paired_is_the_one_sample_test_of_the_differences():
     assert not d.significant and "not significant" in stats.verdict(d)
 
 
+def test_main_job_seeds_against_a_committed_file_pairs_by_seed(tmp_path, monkeypatch):
+    """``experiments.main_job_seeds --against NAME``: these runs minus a committed results file's, paired over the
+    seeds both have; a missing file, another script's file and fewer than two shared seeds are refused in one
+    line."""
+    from experiments import common, main_job_seeds as mjs
+
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    (tmp_path / "old.json").write_text(json.dumps({"runs": [{"seed": 0, "val_bpb": 1.5}, {"seed": 1, "val_bpb": 1.6},
+                                                            {"seed": 2, "val_bpb": 1.42}]}))
+    rows = [{"seed": 0, "val_bpb": 1.4}, {"seed": 1, "val_bpb": 1.45}, {"seed": 2, "val_bpb": 1.41},
+            {"seed": 3, "val_bpb": 9.0}]
+    got = mjs.paired_against(rows, mjs.against_runs("old"), "old")
+    want = sp.ttest_rel([1.4, 1.45, 1.41], [1.5, 1.6, 1.42])
+    assert got["seeds"] == [0, 1, 2] and got["difference"]["test"] == "paired"
+    assert got["difference"]["mean"] == pytest.approx(-0.26 / 3, abs=1e-12)
+    assert got["difference"]["p_value"] == pytest.approx(want.pvalue, rel=1e-9)
+    assert got["other"]["mean"] == pytest.approx(4.52 / 3) and "not significant" in got["verdict"]
+    (tmp_path / "other.json").write_text(json.dumps({"rows": [{"arm": "a"}]}))
+    for name, message in (("missing", "there is no"), ("other", "not a results file of this script")):
+        with pytest.raises(SystemExit, match=message):
+            mjs.against_runs(name)
+    with pytest.raises(SystemExit, match="shares 1 seed"):
+        mjs.paired_against(rows[3:] + rows[:1], mjs.against_runs("old"), "old")
+
+
 @pytest.mark.parametrize("values, message", [([1.0], r"has 1 value\(s\): a mean's interval needs at least two"),
                                              ([1.0, float("nan")], r"not finite")])
 def test_a_group_needs_two_finite_values(values, message):

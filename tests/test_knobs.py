@@ -381,7 +381,7 @@ def test_a_run_with_knobs_logs_the_mtp_loss_and_a_refused_one_writes_nothing(cor
               "--steps", 2)
     before = snapshot(tmp_path)
     for flags, message in ((("--mtp-weight", 0.5), "mtp_weight = 0.5 weighs"),
-                           (("--polar-express",), "polar_express = true replaces"),
+                           (("--polar-express", "--optimizer", "adamw"), "polar_express = true replaces"),
                            (("--set", "model.attn_softcap=0"), "attn_softcap = 0"),
                            (("--set", "model.window_warmup_steps=3"), "window_warmup_steps = 3")):
         proc = cli_in_process("train", "--out", tmp_path / "refused", *common, *flags)

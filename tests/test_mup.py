@@ -205,9 +205,9 @@ def _train(root, name: str, width: int, *extra):
                                         n_kv_heads=width // 16, d_head=16, d_ff=4 * width, max_seq_len=32)))
     proc = cli_in_process("train", "--out", root / name, "--config", cfg_file, "--data", root / "corpus",
                           "--extensions", ".py", "--tokenizer", "byte", "--steps", "1", "--warmup-steps", "0",
-                          "--batch-size", "4", "--seq-len", "32", "--lr", "1e-2", "--weight-decay", "0",
-                          "--watch-interval", "1", "--eval-tokens", "64", "--no-progress", "--sample-tokens", "1",
-                          "--cache-dir", root / "cache", *extra)
+                          "--batch-size", "4", "--seq-len", "32", "--optimizer", "adamw", "--lr", "1e-2",
+                          "--weight-decay", "0", "--watch-interval", "1", "--eval-tokens", "64", "--no-progress",
+                          "--sample-tokens", "1", "--cache-dir", root / "cache", *extra)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines()]
     return next(r for r in rows if "update_rms" in r)["update_rms"]

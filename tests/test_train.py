@@ -138,6 +138,32 @@ def test_time_budget_sets_the_steps_it_fits(tmp_path, corpus_dir, monkeypatch):
         assert not (tmp_path / "bad").exists()
 
 
+def test_the_step_time_is_the_median_of_ten_steps_after_the_warm_ones(monkeypatch):
+    """``seconds_per_step`` (what --time-budget sizes a run by) runs the step 1 + 2 + 10 times: the compiling call
+    and two warm-up calls are not timed, the median of the last ten is the step time. Here the step is a stand-in
+    that advances a fake clock by set durations, so the median is known exactly."""
+    from types import SimpleNamespace
+
+    from mlx_llm.train import lm
+
+    durations = iter([100.0, 9.0, 8.0, *[float(s) for s in (7, 1, 2, 3, 4, 5, 6, 8, 9, 10)]])
+    clock = [0.0]
+
+    def step(state, batch):
+        clock[0] += next(durations)
+        return state, {}
+
+    monkeypatch.setattr(lm.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(lm, "jit_train_step", lambda *a, **k: step)
+    for name in ("init_state", "optimizer_for"):
+        monkeypatch.setattr(lm, name, lambda *a, **k: None)
+    monkeypatch.setattr(lm, "place_state", lambda state, mesh: state)
+    monkeypatch.setattr(lm, "device_batch", lambda batch, mesh, size: batch)
+    corpus = SimpleNamespace(tokenizer=SimpleNamespace(mask_id=None), train_batch=lambda *a, **k: {})
+    assert lm.seconds_per_step(TINY, tiny_train(), corpus) == 5.5  # median of 7, 1, 2, …, 10
+    assert next(durations, "used up") == "used up"  # exactly 13 calls
+
+
 def test_segment_mask_isolates_documents_in_a_training_window(corpus_dir):
     """A token's logits do not change when another document in the same packed window changes."""
     from mlx_llm.data.packing import pack_windows
