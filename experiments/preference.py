@@ -135,8 +135,10 @@ def thinned(results: dict) -> dict:
     file under experiments/results stays small (a 60 s run logs over a thousand steps); OUT's results.json and the
     run directories keep every step."""
     def thin(points: list) -> list:
-        stride = -(-len(points) // CURVE_POINTS)
-        return points if stride <= 1 else points[::stride] + ([points[-1]] if (len(points) - 1) % stride else [])
+        if len(points) <= CURVE_POINTS:
+            return points
+        stride = -(-(len(points) - 1) // (CURVE_POINTS - 1))  # every stride-th step, the last one added: ≤ CURVE_POINTS
+        return points[::stride] + ([points[-1]] if (len(points) - 1) % stride else [])
 
     return {name: {**entry, "curves": [{key: thin(c) for key, c in curves.items()} for curves in entry["curves"]]}
             if isinstance(entry, dict) and "curves" in entry else entry for name, entry in results.items()}

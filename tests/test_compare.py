@@ -198,3 +198,36 @@ def test_a_changed_seed_on_resume_is_refused(four_runs):
         proc = cli_in_process("train", "--resume", "--out", run, flag, 5, "--no-progress")
         assert proc.returncode == 2 and "exactly as it was configured" in proc.stderr, proc.stderr
     assert snapshot(run) == before
+
+
+def test_knobs_main_arms_reach_mlx_llm_train_as_their_settings(tmp_path, monkeypatch):
+    """``experiments.knobs_main``: each arm's ``--set`` items, parsed as ``mlx-llm train`` parses them, rebuild the
+    arm's configs exactly (at the main job's steps and at fewer, warmups scaled); a step within ±5 % of the main
+    job's trains its 700 steps, a dearer one the steps of the same time; an unknown arm and an untimed one are
+    refused in one line."""
+    import dataclasses
+
+    from experiments import common, knobs_main as km
+    from mlx_llm.cli.flags import apply_sets
+    from mlx_llm.config import ModelConfig
+    from mlx_llm.recipes import MAIN_JOB_MODEL, MAIN_JOB_TRAIN
+
+    sections = {"model": ("model", ModelConfig), "train": ("train", TrainConfig)}
+    assert "muon" not in km.ARMS and {"mtp", "normuon", "window_warmup", "relu2"} <= set(km.ARMS)
+    for arm in km.ARMS:
+        for steps in (700, 583):
+            fields = apply_sets({}, km.settings(arm, steps), sections)
+            cfg = dataclasses.replace(MAIN_JOB_MODEL, **fields.get("model", {}))
+            tcfg = dataclasses.replace(MAIN_JOB_TRAIN, steps=steps, **fields.get("train", {}))
+            assert (cfg, tcfg) == km.configs(arm, steps), (arm, steps)
+    assert km.settings("mtp", 583) == ["model.mtp_depth=1", "train.warmup_steps=25"]
+    assert "model.window_warmup_steps=292" in km.settings("window_warmup", 583)
+    assert km.settings("normuon", 700) == ["train.optimizer=normuon"]  # Muon's lr is the main job's already
+    assert [km.steps_for(r) for r in (0.96, 1.04, 1.051, 1.2, 0.8)] == [700, 700, 666, 583, 875]
+    with pytest.raises(SystemExit, match="arm 'muon' is unknown"):
+        km.overrides("muon")
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    (tmp_path / f"{km.TIMING}.json").write_text(json.dumps({"arms": {"mtp": {"steps": 583}}}))
+    assert km.timed_steps("mtp") == 583
+    with pytest.raises(SystemExit, match="arm 'relu2' has no step timing"):
+        km.timed_steps("relu2")

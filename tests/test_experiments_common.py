@@ -216,4 +216,9 @@ def test_committed_curves_are_thinned_evenly_with_the_last_step(monkeypatch):
     thin = preference.thinned(results)["rl_checker"]["curves"][0]
     assert thin["kl"] == points[:150]  # short curves stay whole
     assert thin["accuracy"][:3] == points[0:14:7] + [points[14]] and thin["accuracy"][-1] == points[-1]
-    assert len(thin["accuracy"]) <= preference.CURVE_POINTS + 1 and results["rl_checker"]["curves"][0]["accuracy"] == points
+    assert len(thin["accuracy"]) <= preference.CURVE_POINTS and results["rl_checker"]["curves"][0]["accuracy"] == points
+    for n in (200, 201, 399, 400, 401, 1000):  # 400 made 201 points when the stride was ceil(n / 200)
+        curve = [(s, 0.0) for s in range(n)]
+        kept = preference.thinned({"m": {"curves": [{"a": curve}]}})["m"]["curves"][0]["a"]
+        assert len(kept) <= preference.CURVE_POINTS and kept[0] == curve[0] and kept[-1] == curve[-1], n
+        assert len({b[0] - a[0] for a, b in zip(kept[:-2], kept[1:-1])}) <= 1, n  # evenly spaced but for the last

@@ -1,0 +1,199 @@
+"""Each architecture knob and optimizer option on top of today's main job (Muon, 700 steps), over seeds, at equal
+wall time: the ablation at the main job's own length.
+
+``experiments.knobs`` compares the knobs at 100 steps against the AdamW recipe; gains measured that short shrank
+more than tenfold at 700 steps (variants.md), so the question "does this knob help the main job?" is asked here at
+the main job's length, against the main job itself:
+
+1. **Step costs, timed together.** Every arm's compiled training step and the main job's are timed in one process,
+   taking turns round by round (``common.time_interleaved``, median of ``--rounds`` rounds after 2 warm-ups), so a
+   change of machine load hits all alike. An arm whose step costs within ±5 % of the main job's (the tolerance the
+   main job's own wall time is held to) trains the main job's 700 steps; a dearer or cheaper one trains
+   ``round(700 / ratio)`` steps, its warmup (and a window warmup) scaled alike, so every arm gets the same wall time
+   of training. The timing is saved (``knobs_main_step_time.json``) and the runs read it back, so the step counts
+   are fixed numbers, not a per-run measurement of a noisy machine.
+2. **Runs.** Each arm is ``mlx-llm train`` (the README's main job) with the arm's settings as ``--set`` (and
+   ``--steps`` where scaled), seeds 0 … ``--seeds``−1, one fresh process each (``main_job_seeds.run_seed``); a
+   finished run in ``--out`` is read back, so the ablation can be split over several commands.
+3. **Comparison.** Per arm: val bits/byte on the whole val split, mean ± 95 % interval over the seeds, and the
+   paired difference from the main job's own runs of the same seeds (``main_job_seeds.json``, the committed
+   results of ``experiments.main_job_seeds``) with its p-value; not significant is said so.
+
+Arms: those of ``experiments.knobs`` with Muon as the base, so ``muon`` is the baseline itself and ``normuon`` and
+``polar_express`` change Muon's update; ``unet`` and ``embed_scale`` are included (their AdamW runs at 700 steps
+are ``main_job_adamw_*_seeds.json``).
+
+    python -m experiments.knobs_main --out runs/knobs_main --timing-only         # the step costs (≈ 8 min)
+    python -m experiments.knobs_main --out runs/knobs_main --arms unet,mtp         # 3 seeds each (≈ 13 min an arm)
+    python -m experiments.knobs_main --out runs/knobs_main                        # every arm (≈ 3.5 h)
+
+Writes ``experiments/results/knobs_main.json`` (the arms given: settings, steps, runs, summaries, differences) and
+``knobs_main.png`` (each arm's difference from the main job with its interval); the timing goes to
+``knobs_main_step_time.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+from experiments import common, knobs, main_job_seeds
+from mlx_llm import stats
+from mlx_llm.recipes import MAIN_JOB_MODEL, MAIN_JOB_TRAIN, MAIN_JOB_VOCAB
+
+BASELINE = "main_job"
+AGAINST = "main_job_seeds"  # the main job's committed runs, paired by seed
+TIMING = "knobs_main_step_time"
+TOLERANCE = 0.05  # a step within ±5 % of the main job's trains the main job's steps
+# arms of experiments.knobs that are the main job itself (Muon at its lr) or change only what Muon replaced
+SKIPPED = {knobs.BASELINE, "muon"}
+ARMS = [a for a in knobs.ARMS if a not in SKIPPED]
+
+
+def overrides(arm: str) -> tuple[dict, dict]:
+    """(model, train) overrides of ``arm`` on the main job: the knobs arm's, without what restates the main job's
+    optimizer (Muon at lr 1e-2)."""
+    if arm not in ARMS:
+        raise SystemExit(f"knobs_main: arm {arm!r} is unknown; arms are {', '.join(ARMS)}")
+    model, train = knobs.ARMS[arm]
+    train = {k: v for k, v in train.items() if getattr(MAIN_JOB_TRAIN, k) != v}
+    return dict(model), train
+
+
+def configs(arm: str, steps: int | None = None):
+    """The arm's (ModelConfig, TrainConfig): the main job's with the arm's overrides; with ``steps``, trained that
+    many steps with the warmups scaled by steps / 700."""
+    model, train = overrides(arm)
+    cfg = dataclasses.replace(MAIN_JOB_MODEL, **model)
+    tcfg = dataclasses.replace(MAIN_JOB_TRAIN, **train)
+    if steps is not None and steps != MAIN_JOB_TRAIN.steps:
+        cfg, tcfg = knobs.at_steps(cfg, tcfg, steps)
+    return cfg, tcfg
+
+
+def settings(arm: str, steps: int) -> list[str]:
+    """The ``mlx-llm train --set`` items of ``arm`` at ``steps`` steps (what differs from the main job's configs)."""
+    cfg, tcfg = configs(arm, steps)
+
+    def text(value):
+        if isinstance(value, tuple):
+            return ",".join(str(v) for v in value)
+        return str(value).lower() if isinstance(value, bool) else str(value)
+
+    out = []
+    for section, mine, base in (("model", cfg, MAIN_JOB_MODEL), ("train", tcfg, MAIN_JOB_TRAIN)):
+        for f in dataclasses.fields(mine):
+            if f.name != "steps" and getattr(mine, f.name) != getattr(base, f.name):
+                out.append(f"{section}.{f.name}={text(getattr(mine, f.name))}")
+    return out
+
+
+def steps_for(ratio: float) -> int:
+    """The main job's steps when the step costs within ±5 % of its own, else the steps of the same wall time."""
+    return MAIN_JOB_TRAIN.steps if abs(ratio - 1.0) <= TOLERANCE else round(MAIN_JOB_TRAIN.steps / ratio)
+
+
+def step_timing(arms: list[str], rounds: int, out: Path, cache_dir: Path | None) -> dict:
+    """Median seconds of one compiled training step of the main job and of each arm on the main job's first batch,
+    taking turns round by round; per arm its ratio to the main job's and the steps it trains (``steps_for``)."""
+    from mlx_llm.data import encoding as encoding_lib
+    from mlx_llm.data.corpora import read_text_and_tokenizer
+    from mlx_llm.runs.configs import DataSpec
+    from mlx_llm.train.parallel import make_mesh
+    from mlx_llm.train.step import device_batch, init_state, jit_train_step, optimizer_for, place_state
+
+    spec = DataSpec(vocab_size=MAIN_JOB_VOCAB)
+    tok, text = read_text_and_tokenizer(out, spec, cache_dir)  # out has no tokenizer: the main job's BPE, trained anew
+    corpus = encoding_lib.encode_corpus(text, tok, cache_dir)
+    mesh = make_mesh(MAIN_JOB_TRAIN.mesh)
+    batch = device_batch(corpus.train_batch(0, batch_size=MAIN_JOB_TRAIN.batch_size, seq_len=MAIN_JOB_TRAIN.seq_len,
+                                            seed=0), mesh, MAIN_JOB_TRAIN.batch_size)
+    candidates = {}
+    for arm in [BASELINE, *arms]:
+        cfg, tcfg = (MAIN_JOB_MODEL, MAIN_JOB_TRAIN) if arm == BASELINE else configs(arm)
+        cfg = dataclasses.replace(cfg, vocab_size=tok.vocab_size)
+        state = place_state(init_state(cfg, tcfg, optimizer_for(tcfg, cfg=cfg)), mesh)
+        candidates[arm] = common.carry(jit_train_step(cfg, tcfg, mesh, tok.mask_id), state, batch)
+        print(f"compiled {arm}", flush=True)
+    times = common.time_interleaved(candidates, warmup=2, rounds=rounds)
+    base = times[BASELINE]
+    per_arm = {arm: {"seconds": times[arm], "ratio": times[arm] / base, "steps": steps_for(times[arm] / base)}
+               for arm in arms}
+    return {"main_job_seconds": base, "rounds": rounds, "tolerance": TOLERANCE, "arms": per_arm}
+
+
+def timed_steps(arm: str) -> int:
+    """The steps of ``arm`` from the committed timing (one line, SystemExit, when it has not been timed)."""
+    path = common.RESULTS / f"{TIMING}.json"
+    timing = common.load_result(TIMING, common.RESULTS) if path.is_file() else {"arms": {}}
+    if arm not in timing["arms"]:
+        raise SystemExit(f"knobs_main: arm {arm!r} has no step timing in {path}; run --timing-only --arms {arm} first")
+    return int(timing["arms"][arm]["steps"])
+
+
+def run_arm(arm: str, seeds: int, out: Path, cache: Path, main: dict[int, float]) -> dict:
+    steps = timed_steps(arm)
+    sets = settings(arm, steps)
+    rows = [main_job_seeds.run_seed(s, out / arm, cache, None if steps == MAIN_JOB_TRAIN.steps else steps, sets)
+            for s in range(seeds)]
+    values = [r["val_bpb"] for r in rows]
+    entry = {"model": overrides(arm)[0], "train": overrides(arm)[1], "settings": sets, "steps_mean": steps,
+             "runs": rows, "summary": stats.summarize(values, arm).as_dict()}
+    entry["vs_baseline"] = stats.paired(values, [main[r["seed"]] for r in rows]).as_dict()
+    d = entry["vs_baseline"]
+    print(f"{arm}: {stats.describe(stats.summarize(values, arm))}; minus the main job "
+          f"{stats.verdict(stats.Difference(d['mean'], tuple(d['ci95']), d['p_value'], d['test']))}", flush=True)
+    return entry
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True, help="a directory for the runs (OUT/ARM/seedS)")
+    ap.add_argument("--arms", help=f"comma-separated arms (default: all of {', '.join(ARMS)})")
+    ap.add_argument("--cache-dir", type=Path, help="token cache (default OUT/cache)")
+    ap.add_argument("--timing-only", action="store_true", help=f"only time the arms' steps against the main job's "
+                    f"(results file {TIMING} unless --save)")
+    ap.add_argument("--rounds", type=int, default=15, help="interleaved timing rounds (default %(default)s)")
+    common.add_seeds_argument(ap, default=3)
+    common.add_save_argument(ap, "knobs_main")
+    args = ap.parse_args(argv)
+    arms = args.arms.split(",") if args.arms else list(ARMS)
+    for arm in arms:
+        overrides(arm)  # unknown arms refused before anything runs
+    cache = args.cache_dir or args.out / "cache"
+    if args.timing_only:
+        result = step_timing(arms, args.rounds, args.out, cache)
+        for arm, row in result["arms"].items():
+            print(f"{arm:>16}: {row['seconds'] * 1e3:6.1f} ms/step, {row['ratio']:.3f}× the main job's "
+                  f"({result['main_job_seconds'] * 1e3:.1f} ms) → {row['steps']} steps", flush=True)
+        common.save_result(args.save or TIMING, result)
+        return 0
+    seeds = common.check_seeds(args.seeds)
+    for arm in arms:
+        timed_steps(arm)  # every arm timed before any run
+    main_runs = main_job_seeds.against_runs(AGAINST)
+    missing = [s for s in range(seeds) if s not in main_runs]
+    if missing:
+        raise SystemExit(f"knobs_main: {AGAINST}.json has no run of seed(s) {missing}; use --seeds "
+                         f"{min(missing)} or run experiments.main_job_seeds for them")
+    base_values = [main_runs[s] for s in range(seeds)]
+    timing = common.load_result(TIMING, common.RESULTS)
+    result = {"comparison": "equal wall time (steps from the interleaved step timing)",
+              "seconds": round(timing["main_job_seconds"] * MAIN_JOB_TRAIN.steps), "steps": None, "seeds": seeds, "baseline": BASELINE, "against": AGAINST,
+              "arms": {BASELINE: {"model": {}, "train": {}, "settings": [], "steps_mean": MAIN_JOB_TRAIN.steps,
+                                  "runs": [{"seed": s, "val_bpb": v} for s, v in enumerate(base_values)],
+                                  "summary": stats.summarize(base_values, BASELINE).as_dict()}},
+              "recipe": {"model": MAIN_JOB_MODEL.to_dict(), "train": MAIN_JOB_TRAIN.to_dict()},
+              "timing": timing, "args": common.arguments(args)}
+    for arm in arms:
+        result["arms"][arm] = run_arm(arm, seeds, args.out, cache, main_runs)
+    print(knobs.markdown_table(result), flush=True)
+    path = common.save_from_args(args, result)
+    if path is not None:
+        knobs.plot(result, path.with_suffix(".png"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
