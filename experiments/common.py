@@ -114,6 +114,37 @@ def carry(step: Callable, state, *args) -> Callable[[], Any]:
     return run
 
 
+def interleaved_step_times(recipes: Mapping[str, tuple[Any, Any]], rounds: int, run_dir: Path, cache_dir=None,
+                           vocab_size: int = 1024, seed: int = 0) -> dict[str, float]:
+    """Median seconds of one compiled training step of each ``name: (ModelConfig, TrainConfig)`` on the same first
+    batch of the main job's corpus (``run_dir``'s tokenizer when it has one, else its BPE of ``vocab_size`` trained
+    anew), the candidates taking turns round by round after 2 warm-ups (``time_interleaved``), so a change of the
+    machine's load hits all alike. The batch's shape and the mesh are the first recipe's (they must agree)."""
+    from mlx_llm.data import encoding as encoding_lib
+    from mlx_llm.data.corpora import read_text_and_tokenizer
+    from mlx_llm.runs.configs import DataSpec
+    from mlx_llm.train.parallel import make_mesh
+    from mlx_llm.train.step import device_batch, init_state, jit_train_step, optimizer_for, place_state
+
+    first = next(iter(recipes.values()))[1]
+    shapes = {(t.batch_size, t.seq_len, t.mesh) for _, t in recipes.values()}
+    if len(shapes) != 1:
+        raise ValueError(f"interleaved_step_times: the recipes disagree on (batch_size, seq_len, mesh): "
+                         f"{sorted(shapes)}; one batch is timed for all")
+    tok, text = read_text_and_tokenizer(run_dir, DataSpec(vocab_size=vocab_size), cache_dir)
+    corpus = encoding_lib.encode_corpus(text, tok, cache_dir)
+    mesh = make_mesh(first.mesh)
+    batch = device_batch(corpus.train_batch(0, batch_size=first.batch_size, seq_len=first.seq_len, seed=seed), mesh,
+                         first.batch_size)
+    candidates = {}
+    for name, (cfg, tcfg) in recipes.items():
+        cfg = dataclasses.replace(cfg, vocab_size=tok.vocab_size)
+        state = place_state(init_state(cfg, tcfg, optimizer_for(tcfg, cfg=cfg)), mesh)
+        candidates[name] = carry(jit_train_step(cfg, tcfg, mesh, tok.mask_id), state, batch)
+        print(f"compiled {name}", flush=True)
+    return time_interleaved(candidates, warmup=2, rounds=rounds)
+
+
 def matmul_timer(n: int, dtype: str = "float32", calls: int = 3) -> tuple[Callable[[], float], float]:
     """(a self-timed candidate: the best seconds of ``calls`` jitted n×n products, float32 accumulation, compiled
     and warmed; the FLOPs of one product, 2n³): the machine's matmul peak, timed alongside a step."""

@@ -52,11 +52,13 @@ ARMS = [a for a in knobs.ARMS if a not in SKIPPED]
 
 
 def overrides(arm: str) -> tuple[dict, dict]:
-    """(model, train) overrides of ``arm`` on the main job: the knobs arm's, without what restates the main job's
-    optimizer (Muon at lr 1e-2)."""
-    if arm not in ARMS:
-        raise SystemExit(f"knobs_main: arm {arm!r} is unknown; arms are {', '.join(ARMS)}")
-    model, train = knobs.ARMS[arm]
+    """(model, train) overrides of ``arm`` on the main job: the knobs arm's (several joined by "+" are merged in
+    order), without what restates the main job's optimizer (Muon at lr 1e-2)."""
+    for part in arm.split("+"):
+        if part not in ARMS:
+            raise SystemExit(f"knobs_main: arm {part!r} is unknown; arms are {', '.join(ARMS)} (joined by '+' to "
+                             f"combine)")
+    model, train = knobs.arm_overrides(arm)
     train = {k: v for k, v in train.items() if getattr(MAIN_JOB_TRAIN, k) != v}
     return dict(model), train
 
@@ -97,30 +99,25 @@ def steps_for(ratio: float) -> int:
 def step_timing(arms: list[str], rounds: int, out: Path, cache_dir: Path | None) -> dict:
     """Median seconds of one compiled training step of the main job and of each arm on the main job's first batch,
     taking turns round by round; per arm its ratio to the main job's and the steps it trains (``steps_for``)."""
-    from mlx_llm.data import encoding as encoding_lib
-    from mlx_llm.data.corpora import read_text_and_tokenizer
-    from mlx_llm.runs.configs import DataSpec
-    from mlx_llm.train.parallel import make_mesh
-    from mlx_llm.train.step import device_batch, init_state, jit_train_step, optimizer_for, place_state
-
-    spec = DataSpec(vocab_size=MAIN_JOB_VOCAB)
-    tok, text = read_text_and_tokenizer(out, spec, cache_dir)  # out has no tokenizer: the main job's BPE, trained anew
-    corpus = encoding_lib.encode_corpus(text, tok, cache_dir)
-    mesh = make_mesh(MAIN_JOB_TRAIN.mesh)
-    batch = device_batch(corpus.train_batch(0, batch_size=MAIN_JOB_TRAIN.batch_size, seq_len=MAIN_JOB_TRAIN.seq_len,
-                                            seed=0), mesh, MAIN_JOB_TRAIN.batch_size)
-    candidates = {}
-    for arm in [BASELINE, *arms]:
-        cfg, tcfg = (MAIN_JOB_MODEL, MAIN_JOB_TRAIN) if arm == BASELINE else configs(arm)
-        cfg = dataclasses.replace(cfg, vocab_size=tok.vocab_size)
-        state = place_state(init_state(cfg, tcfg, optimizer_for(tcfg, cfg=cfg)), mesh)
-        candidates[arm] = common.carry(jit_train_step(cfg, tcfg, mesh, tok.mask_id), state, batch)
-        print(f"compiled {arm}", flush=True)
-    times = common.time_interleaved(candidates, warmup=2, rounds=rounds)
+    recipes = {BASELINE: (MAIN_JOB_MODEL, MAIN_JOB_TRAIN)} | {arm: configs(arm) for arm in arms}
+    # out has no tokenizer: the main job's BPE, trained anew (or read from the cache)
+    times = common.interleaved_step_times(recipes, rounds, out, cache_dir, MAIN_JOB_VOCAB, MAIN_JOB_TRAIN.seed)
     base = times[BASELINE]
     per_arm = {arm: {"seconds": times[arm], "ratio": times[arm] / base, "steps": steps_for(times[arm] / base)}
                for arm in arms}
     return {"main_job_seconds": base, "rounds": rounds, "tolerance": TOLERANCE, "arms": per_arm}
+
+
+def merged_timing(new: dict, old: dict | None) -> dict:
+    """``old`` (the saved timing) with ``new``'s arms added or replaced; an arm timed in a later session keeps the
+    main job's seconds and the rounds of its own session beside its ratio (a ratio is only meaningful against the
+    main job timed with it)."""
+    if old is None:
+        return new
+    merged = dict(old, arms=dict(old["arms"]))
+    for arm, row in new["arms"].items():
+        merged["arms"][arm] = dict(row, main_job_seconds=new["main_job_seconds"], rounds=new["rounds"])
+    return merged
 
 
 def timed_steps(arm: str) -> int:
@@ -137,6 +134,10 @@ def run_arm(arm: str, seeds: int, out: Path, cache: Path, main: dict[int, float]
     sets = settings(arm, steps)
     rows = [main_job_seeds.run_seed(s, out / arm, cache, None if steps == MAIN_JOB_TRAIN.steps else steps, sets)
             for s in range(seeds)]
+    stale = [r["run"] for r in rows if r["steps"] != steps]
+    if stale:  # read back from before a new timing changed the arm's steps
+        raise SystemExit(f"knobs_main: {', '.join(stale)} trained other than the {steps} steps {arm!r} is timed to "
+                         f"now; move those runs away (or restore the timing they were run with)")
     values = [r["val_bpb"] for r in rows]
     entry = {"model": overrides(arm)[0], "train": overrides(arm)[1], "settings": sets, "steps_mean": steps,
              "runs": rows, "summary": stats.summarize(values, arm).as_dict()}
@@ -150,10 +151,10 @@ def run_arm(arm: str, seeds: int, out: Path, cache: Path, main: dict[int, float]
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="a directory for the runs (OUT/ARM/seedS)")
-    ap.add_argument("--arms", help=f"comma-separated arms (default: all of {', '.join(ARMS)})")
+    ap.add_argument("--arms", help=f"comma-separated arms, '+' combining several (default: all of {', '.join(ARMS)})")
     ap.add_argument("--cache-dir", type=Path, help="token cache (default OUT/cache)")
     ap.add_argument("--timing-only", action="store_true", help=f"only time the arms' steps against the main job's "
-                    f"(results file {TIMING} unless --save)")
+                    f"(added to results file {TIMING}; with --save, a file of these arms alone)")
     ap.add_argument("--rounds", type=int, default=15, help="interleaved timing rounds (default %(default)s)")
     common.add_seeds_argument(ap, default=3)
     common.add_save_argument(ap, "knobs_main")
@@ -167,7 +168,13 @@ def main(argv=None) -> int:
         for arm, row in result["arms"].items():
             print(f"{arm:>16}: {row['seconds'] * 1e3:6.1f} ms/step, {row['ratio']:.3f}× the main job's "
                   f"({result['main_job_seconds'] * 1e3:.1f} ms) → {row['steps']} steps", flush=True)
-        common.save_result(args.save or TIMING, result)
+        if args.save is not None:  # a timing of its own (a repeat): only these arms; '' for none
+            if args.save:
+                common.save_result(args.save, result)
+        else:  # the timing the runs read: these arms added to (or replacing) those timed before
+            saved = common.RESULTS / f"{TIMING}.json"
+            common.save_result(TIMING, merged_timing(result, common.load_result(TIMING, common.RESULTS)
+                                                     if saved.is_file() else None))
         return 0
     seeds = common.check_seeds(args.seeds)
     for arm in arms:

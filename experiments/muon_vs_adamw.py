@@ -30,11 +30,7 @@ from pathlib import Path
 from experiments import common
 from mlx_llm.recipes import MAIN_JOB_MODEL, ADAMW_TRAIN, MAIN_JOB_VOCAB
 from mlx_llm.runs.configs import DataSpec
-from mlx_llm.data import encoding as encoding_lib
-from mlx_llm.train.parallel import make_mesh
-from mlx_llm.data.corpora import read_text_and_tokenizer
 from mlx_llm.runs.pretrain import train_run
-from mlx_llm.train.step import device_batch, init_state, jit_train_step, optimizer_for, place_state
 
 
 def losses_at(run_dir: Path, steps) -> dict:
@@ -47,19 +43,8 @@ def interleaved_step_times(base, lrs, rounds: int, run_dir: Path, cache_dir=None
     """Median seconds of one compiled training step of each optimizer on the main job's first batch (with
     ``run_dir``'s tokenizer when it has one), the candidates taking turns round by round
     (``common.time_interleaved``), so a change of load hits all alike."""
-    spec = DataSpec(vocab_size=MAIN_JOB_VOCAB)
-    tok, text = read_text_and_tokenizer(run_dir, spec, cache_dir)
-    corpus = encoding_lib.encode_corpus(text, tok, cache_dir)
-    cfg = dataclasses.replace(MAIN_JOB_MODEL, vocab_size=tok.vocab_size)
-    mesh = make_mesh(base.mesh)
-    batch = device_batch(corpus.train_batch(0, batch_size=base.batch_size, seq_len=base.seq_len, seed=base.seed),
-                         mesh, base.batch_size)
-    steps = {}
-    for optimizer in ("adamw", "muon"):
-        tcfg = dataclasses.replace(base, optimizer=optimizer, lr=lrs[optimizer])
-        state = place_state(init_state(cfg, tcfg, optimizer_for(tcfg, cfg=cfg)), mesh)
-        steps[optimizer] = common.carry(jit_train_step(cfg, tcfg, mesh, tok.mask_id), state, batch)
-    times = common.time_interleaved(steps, warmup=2, rounds=rounds)
+    recipes = {opt: (MAIN_JOB_MODEL, dataclasses.replace(base, optimizer=opt, lr=lrs[opt])) for opt in ("adamw", "muon")}
+    times = common.interleaved_step_times(recipes, rounds, run_dir, cache_dir, MAIN_JOB_VOCAB, base.seed)
     return {"seconds": times, "muon_vs_adamw": times["muon"] / times["adamw"], "rounds": rounds}
 
 
@@ -82,7 +67,8 @@ def main(argv=None) -> int:
                                         args.out / f"adamw-lr{base.lr:g}", args.cache_dir)
         print(f"step: adamw {result['seconds']['adamw'] * 1e3:.0f} ms, muon {result['seconds']['muon'] * 1e3:.0f} ms "
               f"({result['muon_vs_adamw']:.3f}×)")
-        common.save_result(args.save or "muon_step_time", result)
+        if args.save != "":  # --save '' writes nothing
+            common.save_result(args.save or "muon_step_time", result)
         return 0
     seeds = common.check_seeds(args.seeds)
     base = dataclasses.replace(ADAMW_TRAIN, schedule="cosine", log_interval=25, eval_interval=ADAMW_TRAIN.steps)

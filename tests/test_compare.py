@@ -231,3 +231,41 @@ def test_knobs_main_arms_reach_mlx_llm_train_as_their_settings(tmp_path, monkeyp
     assert km.timed_steps("mtp") == 583
     with pytest.raises(SystemExit, match="arm 'relu2' has no step timing"):
         km.timed_steps("relu2")
+
+
+def test_knobs_main_combinations_timing_merge_and_stale_runs(tmp_path, monkeypatch):
+    """``experiments.knobs_main``: an arm "a+b" is the two arms' settings together (an unknown part refused in one
+    line); a later timing adds its arms to the saved one, each new row keeping the main job's seconds it was timed
+    against, the arms timed before untouched; a run read back that trained other than its arm's timed steps is
+    refused in one line, not compared; one timing batch for recipes of different shapes is refused."""
+    import dataclasses
+
+    from experiments import common, knobs_main as km
+    from mlx_llm.recipes import MAIN_JOB_TRAIN
+
+    combo = "sandwich_norm+value_embeds+normuon"
+    assert km.overrides(combo) == ({"sandwich_norm": True, "value_embeds": True}, {"optimizer": "normuon"})
+    assert km.settings(combo, 644) == ["model.value_embeds=true", "model.sandwich_norm=true",
+                                       "train.warmup_steps=28", "train.optimizer=normuon"]
+    with pytest.raises(SystemExit, match="arm 'sandwich' is unknown"):
+        km.overrides("sandwich+value_embeds")
+    old = {"main_job_seconds": 0.30, "rounds": 15, "tolerance": 0.05,
+           "arms": {"mtp": {"seconds": 0.375, "ratio": 1.25, "steps": 560}}}
+    new = {"main_job_seconds": 0.32, "rounds": 30, "tolerance": 0.05,
+           "arms": {combo: {"seconds": 0.352, "ratio": 1.1, "steps": 636}}}
+    merged = km.merged_timing(new, old)
+    assert merged["main_job_seconds"] == 0.30 and merged["arms"]["mtp"] == old["arms"]["mtp"]
+    assert merged["arms"][combo] == {"seconds": 0.352, "ratio": 1.1, "steps": 636, "main_job_seconds": 0.32,
+                                     "rounds": 30}
+    assert old["arms"].keys() == {"mtp"} and km.merged_timing(new, None) is new
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    (tmp_path / f"{km.TIMING}.json").write_text(json.dumps(merged))
+    for seed in (0, 1):
+        (tmp_path / "runs" / combo / f"seed{seed}").mkdir(parents=True)
+        (tmp_path / "runs" / combo / f"seed{seed}" / "summary.json").write_text(json.dumps(
+            {"val_bpb": 1.3, "val_loss": 2.3, "steps": 636 if seed == 0 else 700, "train_seconds": 200.0}))
+    with pytest.raises(SystemExit, match=r"seed1 trained other than the 636 steps .* is timed to now"):
+        km.run_arm(combo, 2, tmp_path / "runs", tmp_path / "cache", {0: 1.4, 1: 1.4})
+    with pytest.raises(ValueError, match="disagree on \\(batch_size, seq_len, mesh\\)"):
+        common.interleaved_step_times({"a": (None, MAIN_JOB_TRAIN),
+                                       "b": (None, dataclasses.replace(MAIN_JOB_TRAIN, seq_len=64))}, 1, tmp_path)
