@@ -31,7 +31,7 @@ from mlx_llm.model import init_params
 from mlx_llm.post import dpo, prologue as loop
 from mlx_llm.post import pairs as pairs_lib
 from mlx_llm.data.chat import ChatTemplate
-from mlx_llm.recipes import MAIN_JOB_MODEL
+from mlx_llm.recipes import BASE_MODEL
 from mlx_llm.train import preflight
 from mlx_llm.train.parallel import batch_sharding, make_mesh, shard_tree
 from mlx_llm.train.step import init_state, optimizer_for, place_state
@@ -41,7 +41,7 @@ from mlx_llm.data.tokenizer import ByteTokenizer
 def setup(args):
     tok = ByteTokenizer()
     widths = {"main": {}, "tiny": dict(d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_head=16, d_ff=64)}
-    cfg = dataclasses.replace(MAIN_JOB_MODEL, vocab_size=tok.vocab_size, max_seq_len=64, **widths[args.model])
+    cfg = dataclasses.replace(BASE_MODEL, vocab_size=tok.vocab_size, max_seq_len=64, **widths[args.model])
     tcfg = TrainConfig(batch_size=args.batch_size, seq_len=64, steps=args.steps, lr=1e-5, warmup_steps=1,
                        eval_interval=args.steps, checkpoint_interval=args.steps, log_interval=args.log_interval,
                        weight_decay=0.0)

@@ -1,10 +1,10 @@
 """Each architecture knob and optimizer option against the main job's AdamW recipe, over seeds, at equal wall time
 or at equal steps.
 
-Arms (``ARMS``): the main job as it was before Muon (``baseline``: ``recipes.MAIN_JOB_MODEL`` / ``ADAMW_TRAIN``,
-AdamW with wsd; the committed ablations were measured against it, and its ``muon`` arm is today's main job), and the
-same recipe with one change each: the logit and attention soft caps, ReLU² (at the SwiGLU's parameter count) and
-GeGLU FFNs, value embeddings, U-net skips, zero-initialised residual writers, sandwich norms, the √d embedding
+Arms (``ARMS``): the main job as it was before Muon (``baseline``: ``recipes.BASE_MODEL`` / ``ADAMW_TRAIN``,
+AdamW with wsd; the committed ablations were measured against it, and its ``muon`` arm is the Muon recipe,
+``recipes.MUON_TRAIN``), and the same recipe with one change each: the logit and attention soft caps, ReLU² (at
+the SwiGLU's parameter count) and GeGLU FFNs, value embeddings, U-net skips, zero-initialised residual writers, sandwich norms, the √d embedding
 scale, Gemma 3's local/global layers with a RoPE base each, the attention-window warmup, multi-token prediction
 (D = 1), and the optimizers (Muon at its better lr of ``muon_vs_adamw``, NorMuon, Muon with Polar Express, cautious
 weight decay, per-group learning rates). ``--arms a,b+c`` picks arms; ``b+c`` is a combination (the overrides of
@@ -43,7 +43,7 @@ from pathlib import Path
 
 from experiments import common
 from mlx_llm import stats
-from mlx_llm.recipes import MAIN_JOB_MODEL, ADAMW_TRAIN, MAIN_JOB_VOCAB
+from mlx_llm.recipes import BASE_MODEL, ADAMW_TRAIN, MAIN_JOB_VOCAB
 from mlx_llm.runs.configs import DataSpec
 
 BASELINE = "baseline"
@@ -94,7 +94,7 @@ def recipe(quick: bool):
     tcfg = dataclasses.replace(ADAMW_TRAIN, log_interval=25)
     if quick:
         tcfg = dataclasses.replace(tcfg, batch_size=4, seq_len=32, warmup_steps=2, eval_tokens=512, log_interval=5)
-    return MAIN_JOB_MODEL, tcfg
+    return BASE_MODEL, tcfg
 
 
 def at_steps(cfg, tcfg, steps: int):

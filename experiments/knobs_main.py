@@ -1,5 +1,5 @@
-"""Each architecture knob and optimizer option on top of today's main job (Muon, 700 steps), over seeds, at equal
-wall time: the ablation at the main job's own length.
+"""Each architecture knob and optimizer option on top of the Muon main job (``recipes.BASE_MODEL`` / ``MUON_TRAIN``,
+700 steps: the main job before the knobs), over seeds, at equal wall time: the ablation at the main job's own length.
 
 ``experiments.knobs`` compares the knobs at 100 steps against the AdamW recipe; gains measured that short shrank
 more than tenfold at 700 steps (variants.md), so the question "does this knob help the main job?" is asked here at
@@ -8,27 +8,30 @@ the main job's length, against the main job itself:
 1. **Step costs, timed together.** Every arm's compiled training step and the main job's are timed in one process,
    taking turns round by round (``common.time_interleaved``, median of ``--rounds`` rounds after 2 warm-ups), so a
    change of machine load hits all alike. An arm whose step costs within ±5 % of the main job's (the tolerance the
-   main job's own wall time is held to) trains the main job's 700 steps; a dearer or cheaper one trains
+   main job's own wall time is held to) trains the Muon recipe's 700 steps; a dearer or cheaper one trains
    ``round(700 / ratio)`` steps, its warmup (and a window warmup) scaled alike, so every arm gets the same wall time
    of training. The timing is saved (``knobs_main_step_time.json``) and the runs read it back, so the step counts
    are fixed numbers, not a per-run measurement of a noisy machine.
-2. **Runs.** Each arm is ``mlx-llm train`` (the README's main job) with the arm's settings as ``--set`` (and
-   ``--steps`` where scaled), seeds 0 … ``--seeds``−1, one fresh process each (``main_job_seeds.run_seed``); a
-   finished run in ``--out`` is read back, so the ablation can be split over several commands.
+2. **Runs.** Each arm is ``mlx-llm train`` with the arm's settings as ``--set`` (what differs from the command's
+   defaults, today's main job, which took three of these knobs on after this ablation) and ``--steps``, seeds
+   0 … ``--seeds``−1, one fresh process each (``main_job_seeds.run_seed``); a finished run in ``--out`` is read
+   back when it trained the arm's settings (another's is refused), so the ablation can be split over several
+   commands.
 3. **Comparison.** Per arm: val bits/byte on the whole val split, mean ± 95 % interval over the seeds, and the
-   paired difference from the main job's own runs of the same seeds (``main_job_seeds.json``, the committed
-   results of ``experiments.main_job_seeds``) with its p-value; not significant is said so.
+   paired difference from the Muon recipe's own runs of the same seeds (``main_job_muon_seeds.json``, the committed
+   results of ``experiments.main_job_seeds --recipe muon``) with its p-value; not significant is said so.
 
 Arms: those of ``experiments.knobs`` with Muon as the base, so ``muon`` is the baseline itself and ``normuon`` and
 ``polar_express`` change Muon's update; ``unet`` and ``embed_scale`` are included (their AdamW runs at 700 steps
-are ``main_job_adamw_*_seeds.json``).
+are ``main_job_adamw_*_seeds.json``). ``--arms a+b`` is a combination, timed like an arm (``--timing-only --arms
+a+b`` adds its row to the saved timing).
 
     python -m experiments.knobs_main --out runs/knobs_main --timing-only         # the step costs (≈ 8 min)
     python -m experiments.knobs_main --out runs/knobs_main --arms unet,mtp         # 3 seeds each (≈ 13 min an arm)
     python -m experiments.knobs_main --out runs/knobs_main                        # every arm (≈ 3.5 h)
 
 Writes ``experiments/results/knobs_main.json`` (the arms given: settings, steps, runs, summaries, differences) and
-``knobs_main.png`` (each arm's difference from the main job with its interval); the timing goes to
+``knobs_main.png`` (each arm's difference from the Muon recipe with its interval); the timing goes to
 ``knobs_main_step_time.json``.
 """
 
@@ -40,10 +43,10 @@ from pathlib import Path
 
 from experiments import common, knobs, main_job_seeds
 from mlx_llm import stats
-from mlx_llm.recipes import MAIN_JOB_MODEL, MAIN_JOB_TRAIN, MAIN_JOB_VOCAB
+from mlx_llm.recipes import BASE_MODEL, MAIN_JOB_VOCAB, MUON_TRAIN
 
 BASELINE = "main_job"
-AGAINST = "main_job_seeds"  # the main job's committed runs, paired by seed
+AGAINST = "main_job_muon_seeds"  # the Muon main job's committed runs, paired by seed
 TIMING = "knobs_main_step_time"
 TOLERANCE = 0.05  # a step within ±5 % of the main job's trains the main job's steps
 # arms of experiments.knobs that are the main job itself (Muon at its lr) or change only what Muon replaced
@@ -59,7 +62,7 @@ def overrides(arm: str) -> tuple[dict, dict]:
             raise SystemExit(f"knobs_main: arm {part!r} is unknown; arms are {', '.join(ARMS)} (joined by '+' to "
                              f"combine)")
     model, train = knobs.arm_overrides(arm)
-    train = {k: v for k, v in train.items() if getattr(MAIN_JOB_TRAIN, k) != v}
+    train = {k: v for k, v in train.items() if getattr(MUON_TRAIN, k) != v}
     return dict(model), train
 
 
@@ -67,41 +70,30 @@ def configs(arm: str, steps: int | None = None):
     """The arm's (ModelConfig, TrainConfig): the main job's with the arm's overrides; with ``steps``, trained that
     many steps with the warmups scaled by steps / 700."""
     model, train = overrides(arm)
-    cfg = dataclasses.replace(MAIN_JOB_MODEL, **model)
-    tcfg = dataclasses.replace(MAIN_JOB_TRAIN, **train)
-    if steps is not None and steps != MAIN_JOB_TRAIN.steps:
+    cfg = dataclasses.replace(BASE_MODEL, **model)
+    tcfg = dataclasses.replace(MUON_TRAIN, **train)
+    if steps is not None and steps != MUON_TRAIN.steps:
         cfg, tcfg = knobs.at_steps(cfg, tcfg, steps)
     return cfg, tcfg
 
 
 def settings(arm: str, steps: int) -> list[str]:
-    """The ``mlx-llm train --set`` items of ``arm`` at ``steps`` steps (what differs from the main job's configs)."""
-    cfg, tcfg = configs(arm, steps)
-
-    def text(value):
-        if isinstance(value, tuple):
-            return ",".join(str(v) for v in value)
-        return str(value).lower() if isinstance(value, bool) else str(value)
-
-    out = []
-    for section, mine, base in (("model", cfg, MAIN_JOB_MODEL), ("train", tcfg, MAIN_JOB_TRAIN)):
-        for f in dataclasses.fields(mine):
-            if f.name != "steps" and getattr(mine, f.name) != getattr(base, f.name):
-                out.append(f"{section}.{f.name}={text(getattr(mine, f.name))}")
-    return out
+    """The ``mlx-llm train --set`` items of ``arm`` at ``steps`` steps: what differs from the command's defaults
+    (``MAIN_JOB_MODEL`` / ``MAIN_JOB_TRAIN``), the steps aside (``--steps``)."""
+    return main_job_seeds.recipe_settings(*configs(arm, steps))[0]
 
 
 def steps_for(ratio: float) -> int:
     """The main job's steps when the step costs within ±5 % of its own, else the steps of the same wall time."""
-    return MAIN_JOB_TRAIN.steps if abs(ratio - 1.0) <= TOLERANCE else round(MAIN_JOB_TRAIN.steps / ratio)
+    return MUON_TRAIN.steps if abs(ratio - 1.0) <= TOLERANCE else round(MUON_TRAIN.steps / ratio)
 
 
 def step_timing(arms: list[str], rounds: int, out: Path, cache_dir: Path | None) -> dict:
     """Median seconds of one compiled training step of the main job and of each arm on the main job's first batch,
     taking turns round by round; per arm its ratio to the main job's and the steps it trains (``steps_for``)."""
-    recipes = {BASELINE: (MAIN_JOB_MODEL, MAIN_JOB_TRAIN)} | {arm: configs(arm) for arm in arms}
+    recipes = {BASELINE: (BASE_MODEL, MUON_TRAIN)} | {arm: configs(arm) for arm in arms}
     # out has no tokenizer: the main job's BPE, trained anew (or read from the cache)
-    times = common.interleaved_step_times(recipes, rounds, out, cache_dir, MAIN_JOB_VOCAB, MAIN_JOB_TRAIN.seed)
+    times = common.interleaved_step_times(recipes, rounds, out, cache_dir, MAIN_JOB_VOCAB, MUON_TRAIN.seed)
     base = times[BASELINE]
     per_arm = {arm: {"seconds": times[arm], "ratio": times[arm] / base, "steps": steps_for(times[arm] / base)}
                for arm in arms}
@@ -132,12 +124,8 @@ def timed_steps(arm: str) -> int:
 def run_arm(arm: str, seeds: int, out: Path, cache: Path, main: dict[int, float]) -> dict:
     steps = timed_steps(arm)
     sets = settings(arm, steps)
-    rows = [main_job_seeds.run_seed(s, out / arm, cache, None if steps == MAIN_JOB_TRAIN.steps else steps, sets)
+    rows = [main_job_seeds.run_seed(s, out / arm, cache, main_job_seeds.recipe_settings(*configs(arm, steps))[1], sets)
             for s in range(seeds)]
-    stale = [r["run"] for r in rows if r["steps"] != steps]
-    if stale:  # read back from before a new timing changed the arm's steps
-        raise SystemExit(f"knobs_main: {', '.join(stale)} trained other than the {steps} steps {arm!r} is timed to "
-                         f"now; move those runs away (or restore the timing they were run with)")
     values = [r["val_bpb"] for r in rows]
     entry = {"model": overrides(arm)[0], "train": overrides(arm)[1], "settings": sets, "steps_mean": steps,
              "runs": rows, "summary": stats.summarize(values, arm).as_dict()}
@@ -187,11 +175,12 @@ def main(argv=None) -> int:
     base_values = [main_runs[s] for s in range(seeds)]
     timing = common.load_result(TIMING, common.RESULTS)
     result = {"comparison": "equal wall time (steps from the interleaved step timing)",
-              "seconds": round(timing["main_job_seconds"] * MAIN_JOB_TRAIN.steps), "steps": None, "seeds": seeds, "baseline": BASELINE, "against": AGAINST,
-              "arms": {BASELINE: {"model": {}, "train": {}, "settings": [], "steps_mean": MAIN_JOB_TRAIN.steps,
+              "seconds": round(timing["main_job_seconds"] * MUON_TRAIN.steps), "steps": None, "seeds": seeds,
+              "baseline": BASELINE, "against": AGAINST,
+              "arms": {BASELINE: {"model": {}, "train": {}, "settings": [], "steps_mean": MUON_TRAIN.steps,
                                   "runs": [{"seed": s, "val_bpb": v} for s, v in enumerate(base_values)],
                                   "summary": stats.summarize(base_values, BASELINE).as_dict()}},
-              "recipe": {"model": MAIN_JOB_MODEL.to_dict(), "train": MAIN_JOB_TRAIN.to_dict()},
+              "recipe": {"model": BASE_MODEL.to_dict(), "train": MUON_TRAIN.to_dict()},
               "timing": timing, "args": common.arguments(args)}
     for arm in arms:
         result["arms"][arm] = run_arm(arm, seeds, args.out, cache, main_runs)

@@ -1,11 +1,11 @@
 """Longer contexts than the model was trained on (issue 24, part 5): RoPE scaling with and without a short
 fine-tune, and sliding-window decoding against full attention.
 
-1. The main job's model with its AdamW recipe (``recipes.MAIN_JOB_MODEL`` / ``ADAMW_TRAIN``: seq_len T₀ = 128,
+1. The main job's model with its AdamW recipe (``recipes.BASE_MODEL`` / ``ADAMW_TRAIN``: seq_len T₀ = 128,
    the default corpus, a 1024-token BPE, as ``mlx-llm train`` builds them) is trained into ``--out/base`` (read
    back when it already finished). Its weights are then evaluated, with the library's own evaluation (``train.step.evaluate`` over the
    whole val split in consecutive windows of T tokens, as the trainer scores val bits/byte), at T = T₀ and at
-   T = 2·T₀, 4·T₀ (4·T₀ = 512 = MAIN_JOB_MODEL.max_seq_len) under four RoPE settings, each only a change of the
+   T = 2·T₀, 4·T₀ (4·T₀ = 512 = BASE_MODEL.max_seq_len) under four RoPE settings, each only a change of the
    ModelConfig's rope fields (``dataclasses.replace``): none (plain extrapolation), linear position
    interpolation (``rope_scale`` = T₀/T, U19 §7), dynamic NTK and YaRN (``rope_factor`` = T/T₀,
    ``rope_original_max_len`` = T₀). Positions restart at each document (the trainer's packing), and the stdlib
@@ -18,7 +18,7 @@ fine-tune, and sliding-window decoding against full attention.
    in a run directory of its own (``--out/ft-METHOD-T``: config, train config, run.json recording the base it
    started from, checkpoint, metrics, summary). A fine-tune at T₀ itself (no scaling) is the control: what the
    extra steps alone give.
-3. Sliding-window decoding: MAIN_JOB_MODEL with ``mixer_pattern ("local",)``, ``sliding_window`` W = 256,
+3. Sliding-window decoding: BASE_MODEL with ``mixer_pattern ("local",)``, ``sliding_window`` W = 256,
    against the same weights (random init) with full attention ("attn"): the decode state's bytes
    (``accounting.decode_state_bytes``: min(t, W) positions per local layer, t per full one) and the per-token
    decode time at contexts of 1k, 4k and 16k positions (max_seq_len raised to fit; the context prefilled in
@@ -50,7 +50,7 @@ from experiments import common
 from mlx_llm import init_params
 from mlx_llm.config import ModelConfig, TrainConfig
 from mlx_llm.decode.state import forward_cached, init_cache, unstack_layers
-from mlx_llm.recipes import MAIN_JOB_MODEL, ADAMW_TRAIN, MAIN_JOB_VOCAB
+from mlx_llm.recipes import BASE_MODEL, ADAMW_TRAIN, MAIN_JOB_VOCAB
 from mlx_llm.runs.configs import DataSpec
 from mlx_llm.runs.load import load_params
 from mlx_llm.runs.record import RUN_FILE, RunRecord, open_run, write_run
@@ -124,7 +124,7 @@ def train_base(out: Path, setting: Setting, spec: DataSpec, cache_dir) -> dict:
     """The main job's run in ``out`` (its summary read back when it already finished)."""
     if (out / SUMMARY_FILE).is_file():
         return json.loads((out / SUMMARY_FILE).read_text())
-    summary = train_run(out, MAIN_JOB_MODEL, setting.base, spec, show_progress=False, cache_dir=cache_dir,
+    summary = train_run(out, BASE_MODEL, setting.base, spec, show_progress=False, cache_dir=cache_dir,
                         sample_tokens=8, log=quiet)
     print(f"base: {summary['steps']} steps at seq_len {setting.base.seq_len}, val bits/byte {summary['val_bpb']:.4f},"
           f" {summary['train_seconds']:.0f} s of training", flush=True)
@@ -207,8 +207,8 @@ def extension_table(reference: dict, rows: list, ft_steps: int, eval_tokens: int
 
 # ----- 3: sliding-window decoding -------------------------------------------------------------------------------
 def decode_cfg(kind: str, window: int, max_len: int) -> ModelConfig:
-    """MAIN_JOB_MODEL with every mixer of ``kind`` ("local": W = ``window``), serving ``max_len`` positions."""
-    return dataclasses.replace(MAIN_JOB_MODEL, mixer_pattern=(kind,), max_seq_len=max_len,
+    """BASE_MODEL with every mixer of ``kind`` ("local": W = ``window``), serving ``max_len`` positions."""
+    return dataclasses.replace(BASE_MODEL, mixer_pattern=(kind,), max_seq_len=max_len,
                                sliding_window=window if kind == "local" else None)
 
 
@@ -244,7 +244,7 @@ def decode_rows(setting: Setting, n_steps: int, repeats: int) -> list:
     rng, rows = np.random.default_rng(0), []
     for ctx in setting.contexts:
         max_len = ctx + (repeats + 1) * n_steps + 1  # the prefix, then the warm-up and timed rounds
-        tokens = jnp.asarray(rng.integers(3, MAIN_JOB_MODEL.vocab_size, (1, ctx)), jnp.int32)
+        tokens = jnp.asarray(rng.integers(3, BASE_MODEL.vocab_size, (1, ctx)), jnp.int32)
         timers, row = {}, {"context": ctx}
         for kind in kinds:
             cfg = decode_cfg(kind, setting.window, max_len)
@@ -305,7 +305,7 @@ def main(argv=None) -> int:
     print(f"wall time: {t_end - t_start:.0f} s ({t_extension - t_start:.0f} s training and evaluating, "
           f"{t_end - t_extension:.0f} s decoding)")
     payload = {"args": common.arguments(args), "setting": dataclasses.asdict(setting),
-               "model": MAIN_JOB_MODEL.to_dict(),
+               "model": BASE_MODEL.to_dict(),
                "base": {"run": str(args.out / "base"),
                         **{k: base.get(k) for k in ("steps", "val_bpb", "train_seconds")}},
                "reference": reference, "extension": rows,

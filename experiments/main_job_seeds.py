@@ -1,15 +1,16 @@
 """The main job's own noise: ``mlx-llm train`` with its defaults, once per seed, and the val bits/byte over seeds.
 
-Each run is the README's main job (the default MiniLLM on the embedded corpus, 700 steps) with ``--seed S``
+Each run is the README's main job (the default MiniLLM on the embedded corpus, 640 steps) with ``--seed S``
 (initial parameters and batch order) in a subprocess of its own, one after the other; the token cache is shared, so
 only the first run trains the BPE tokenizer and encodes the corpus. The default seed (0) must give the README's
 exact digits (the run is deterministic); the others say how far another seed lands from it.
 
     python -m experiments.main_job_seeds --out runs/main_job_seeds              # seeds 0 … 4 (≈ 25 min on 2 cores)
-    python -m experiments.main_job_seeds --out /tmp/mjs --seeds 3 --steps 40    # a quick look (not the main job)
+    python -m experiments.main_job_seeds --out /tmp/mjs --seeds 3 --steps 40 --save ''  # a quick look
     python -m experiments.main_job_seeds --out runs/cosine_seeds --set train.schedule=cosine \
         --save main_job_cosine_seeds   # one setting changed (``mlx-llm train --set``), then `mlx-llm compare`
-    python -m experiments.main_job_seeds --out runs/main_job_seeds --against main_job_adamw_seeds
+    python -m experiments.main_job_seeds --out runs/muon_seeds --recipe muon --save main_job_muon_seeds
+    python -m experiments.main_job_seeds --out runs/main_job_seeds --against main_job_muon_seeds
 
 Writes experiments/results/main_job_seeds.json (every run's val bits/byte, val loss, steps and loop seconds; the
 mean, standard deviation and 95 % interval over seeds) and main_job_seeds.png (the runs and the interval).
@@ -21,6 +22,7 @@ read back, so it can be added after the runs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -28,14 +30,57 @@ from pathlib import Path
 
 from experiments import common
 from mlx_llm import stats
+from mlx_llm.recipes import ADAMW_TRAIN, BASE_MODEL, MAIN_JOB_MODEL, MAIN_JOB_TRAIN, MUON_TRAIN
 
 PLOT = common.RESULTS / "main_job_seeds.png"
+# --recipe: the main job and the recipes it grew out of (recipes.py), as (ModelConfig, TrainConfig)
+RECIPES = {"main_job": (MAIN_JOB_MODEL, MAIN_JOB_TRAIN), "muon": (BASE_MODEL, MUON_TRAIN),
+           "adamw": (BASE_MODEL, ADAMW_TRAIN)}
+
+
+def recipe_settings(cfg, tcfg) -> tuple[list[str], int | None]:
+    """(``--set`` items, ``--steps`` or None) that turn ``mlx-llm train``'s defaults (the main job's configs) into
+    ``cfg`` / ``tcfg``: every field that differs, the steps aside."""
+
+    def text(value):
+        if isinstance(value, tuple):
+            return ",".join(str(v) for v in value)
+        return str(value).lower() if isinstance(value, bool) else str(value)
+
+    out = []
+    for section, mine, base in (("model", cfg, MAIN_JOB_MODEL), ("train", tcfg, MAIN_JOB_TRAIN)):
+        for f in dataclasses.fields(mine):
+            if f.name != "steps" and getattr(mine, f.name) != getattr(base, f.name):
+                out.append(f"{section}.{f.name}={text(getattr(mine, f.name))}")
+    return out, (None if tcfg.steps == MAIN_JOB_TRAIN.steps else tcfg.steps)
+
+
+def with_recipe(recipe: str, sets: list[str], steps: int | None) -> tuple[list[str], int | None]:
+    """The ``--set`` items and steps of ``recipe`` with the user's ``sets`` / ``steps`` on top (a field set by both
+    takes the user's value)."""
+    mine, recipe_steps = recipe_settings(*RECIPES[recipe])
+    given = {item.partition("=")[0].strip() for item in sets}
+    return [item for item in mine if item.partition("=")[0] not in given] + list(sets), steps or recipe_steps
+
+
+def run_configs(seed: int, steps: int | None, sets: list[str] = ()):
+    """The (ModelConfig, TrainConfig) that ``mlx-llm train --seed seed [--steps steps] --set …`` trains."""
+    from mlx_llm.cli.flags import apply_sets
+    from mlx_llm.config import ModelConfig, TrainConfig
+
+    given = apply_sets({}, list(sets), {"model": ("model", ModelConfig), "train": ("train", TrainConfig)})
+    cfg = dataclasses.replace(MAIN_JOB_MODEL, **given.get("model", {}))
+    tcfg = dataclasses.replace(MAIN_JOB_TRAIN, **given.get("train", {}), seed=seed,
+                               steps=steps or MAIN_JOB_TRAIN.steps)
+    return cfg, tcfg
 
 
 def run_seed(seed: int, out: Path, cache: Path, steps: int | None, sets: list[str] = ()) -> dict:
-    """One ``mlx-llm train`` with its defaults and ``--seed seed`` in a fresh process; its summary's numbers."""
+    """One ``mlx-llm train`` with its defaults, ``sets`` and ``--seed seed`` in a fresh process; its summary's
+    numbers. A finished run in its directory is read back when it trained these settings (``common.finished_run``:
+    another's is refused in one line)."""
     run_dir = out / f"seed{seed}"
-    if not (run_dir / "summary.json").is_file():
+    if common.finished_run(run_dir, *run_configs(seed, steps, sets)) is None:
         cmd = [sys.executable, "-m", "mlx_llm", "train", "--out", str(run_dir), "--seed", str(seed), "--cache-dir",
                str(cache), "--no-progress", "--sample-tokens", "0"]
         if steps is not None:
@@ -85,8 +130,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, required=True, help="a directory for the runs (a finished run is reused)")
     ap.add_argument("--cache-dir", type=Path, default=None, help="token cache (default OUT/cache)")
     ap.add_argument("--steps", type=int, default=None, help="override the main job's steps (a quick look only)")
+    ap.add_argument("--recipe", choices=sorted(RECIPES), default="main_job", help="the recipe the runs train: the "
+                    "main job (default), or one it grew out of: muon (before the knobs, 700 steps), adamw (before "
+                    "Muon); passed to mlx-llm train as the --set items and --steps that differ from its defaults")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", dest="sets",
-                    help="a setting changed in every run (`mlx-llm train --set`; repeat for several)")
+                    help="a setting changed in every run, on top of the recipe (`mlx-llm train --set`; repeat for "
+                    "several)")
     ap.add_argument("--against", metavar="NAME", help="a committed results file of this script "
                     "(experiments/results/NAME.json): these runs minus its runs, paired by seed over the seeds both "
                     "have, stored as 'against' in the results")
@@ -94,10 +143,18 @@ def main(argv=None) -> int:
     common.add_save_argument(ap, "main_job_seeds")
     args = ap.parse_args(argv)
     seeds = common.check_seeds(args.seeds)
+    if (args.recipe != "main_job" or args.sets or args.steps) and args.save is None:
+        raise SystemExit(f"main_job_seeds: give --save NAME for runs of another recipe or settings "
+                         f"(--recipe {args.recipe}, {len(args.sets)} --set, --steps {args.steps}); the default file, "
+                         f"{args.result_name}.json, holds the main job's own runs")
     other = against_runs(args.against) if args.against else None  # refused before any run
-    rows = [run_seed(s, args.out, args.cache_dir or args.out / "cache", args.steps, args.sets) for s in range(seeds)]
-    summary = stats.summarize([r["val_bpb"] for r in rows], "val bits/byte" + (f" with {', '.join(args.sets)}" if args.sets else " of the main job"))
-    result = {"seeds": seeds, "steps": rows[0]["steps"], "runs": rows, "val_bpb": summary.as_dict(),
+    sets, steps = with_recipe(args.recipe, args.sets, args.steps)
+    rows = [run_seed(s, args.out, args.cache_dir or args.out / "cache", steps, sets) for s in range(seeds)]
+    what = (f" of the {args.recipe} recipe" if args.recipe != "main_job" else " of the main job") + \
+        (f" with {', '.join(args.sets)}" if args.sets else "")
+    summary = stats.summarize([r["val_bpb"] for r in rows], "val bits/byte" + what)
+    result = {"seeds": seeds, "steps": rows[0]["steps"], "recipe": args.recipe, "settings": sets, "runs": rows,
+              "val_bpb": summary.as_dict(),
               "val_loss": stats.summarize([r["val_loss"] for r in rows], "val loss").as_dict(),
               "arguments": common.arguments(args)}
     print(f"val bits/byte over {seeds} seeds: {stats.describe(summary)} (95 % interval "
@@ -105,7 +162,7 @@ def main(argv=None) -> int:
     if other is not None:
         result["against"] = paired_against(rows, other, args.against)
         print(f"minus {args.against} over seeds {result['against']['seeds']}: {result['against']['verdict']}")
-    if common.save_from_args(args, result) is not None and not args.sets:
+    if common.save_from_args(args, result) is not None and not sets and steps is None:  # the main job itself
         plot = {"metric": "val_bpb", "arms": {"main job": {"runs": rows, "summary": summary.as_dict()}}}
         common.seed_errorbars(plot, PLOT, "val bits/byte")
     return 0

@@ -2,7 +2,7 @@
 corpus (M20 §15, U19 §3), and the balancing offsets' effect on expert load.
 
 Four runs, each a normal `mlx-llm train` run directory under --out, with the main job's training settings:
-- dense: experiments/configs/dense.json (the main job's model, 869,504 parameters);
+- dense: experiments/configs/dense.json (the main job's model before the knobs, `recipes.BASE_MODEL`: 869,504 parameters);
 - moe:   experiments/configs/moe.json (8 experts of width 176, top 2, sigmoid router, offset rate u = 0.01:
          873,600 active, 2,495,616 stored parameters);
   each model's step count is set by the library's time budget (``fit_time_budget``: the step timed on the run's

@@ -28,7 +28,7 @@ import json
 from pathlib import Path
 
 from experiments import common
-from mlx_llm.recipes import MAIN_JOB_MODEL, ADAMW_TRAIN, MAIN_JOB_VOCAB
+from mlx_llm.recipes import BASE_MODEL, ADAMW_TRAIN, MAIN_JOB_VOCAB
 from mlx_llm.runs.configs import DataSpec
 from mlx_llm.runs.pretrain import train_run
 
@@ -43,7 +43,7 @@ def interleaved_step_times(base, lrs, rounds: int, run_dir: Path, cache_dir=None
     """Median seconds of one compiled training step of each optimizer on the main job's first batch (with
     ``run_dir``'s tokenizer when it has one), the candidates taking turns round by round
     (``common.time_interleaved``), so a change of load hits all alike."""
-    recipes = {opt: (MAIN_JOB_MODEL, dataclasses.replace(base, optimizer=opt, lr=lrs[opt])) for opt in ("adamw", "muon")}
+    recipes = {opt: (BASE_MODEL, dataclasses.replace(base, optimizer=opt, lr=lrs[opt])) for opt in ("adamw", "muon")}
     times = common.interleaved_step_times(recipes, rounds, run_dir, cache_dir, MAIN_JOB_VOCAB, base.seed)
     return {"seconds": times, "muon_vs_adamw": times["muon"] / times["adamw"], "rounds": rounds}
 
@@ -84,8 +84,8 @@ def main(argv=None) -> int:
         optimizer, lr = arms[arm]
         tcfg = dataclasses.replace(base, optimizer=optimizer, lr=lr, seed=seed)
         out = args.out / f"seed{seed}" / arm
-        summary = common.finished_run(out, MAIN_JOB_MODEL, tcfg) or train_run(
-            out, MAIN_JOB_MODEL, tcfg, spec, show_progress=False, cache_dir=args.cache_dir, sample_tokens=0,
+        summary = common.finished_run(out, BASE_MODEL, tcfg) or train_run(
+            out, BASE_MODEL, tcfg, spec, show_progress=False, cache_dir=args.cache_dir, sample_tokens=0,
             log=lambda *a: None)
         row = {"optimizer": optimizer, "lr": lr, "steps": tcfg.steps, "val_bpb": summary["val_bpb"],
                "val_loss": summary["val_loss"],
@@ -101,7 +101,7 @@ def main(argv=None) -> int:
         row["step_time_vs_adamw"] = row["step_seconds"] / adamw["step_seconds"]
     statistics = common.seed_statistics(rows, "val_bpb", baseline=next(iter(arms)))
     result = {"seeds": seeds, "rows": rows, "statistics": statistics, "train": dataclasses.asdict(base),
-              "model": MAIN_JOB_MODEL.to_dict(), "arguments": common.arguments(args)}
+              "model": BASE_MODEL.to_dict(), "arguments": common.arguments(args)}
     common.save_result("results", result, args.out)
     common.save_from_args(args, result)
     print(f"val bits/byte over seeds 0–{seeds - 1}, {base.steps} steps each:")

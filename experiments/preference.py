@@ -45,7 +45,7 @@ import numpy as np
 from experiments import common
 from mlx_llm import stats
 from mlx_llm.eval.compare import compare
-from mlx_llm.recipes import MAIN_JOB_MODEL, ADAMW_TRAIN, MAIN_JOB_VOCAB, PREF_TRAIN, SFT_TRAIN
+from mlx_llm.recipes import BASE_MODEL, ADAMW_TRAIN, MAIN_JOB_VOCAB, PREF_TRAIN, SFT_TRAIN
 from mlx_llm.post import prologue as loop
 from mlx_llm.data import tasks
 from mlx_llm.post.dpo import dpo_run
@@ -103,7 +103,7 @@ def sft_start(out: Path, task: str, seconds: float) -> Path:
     base = out / "base"
     if not base.exists():
         spec = DataSpec(vocab_size=MAIN_JOB_VOCAB)
-        train_run(base, MAIN_JOB_MODEL, ADAMW_TRAIN, spec, show_progress=False)
+        train_run(base, BASE_MODEL, ADAMW_TRAIN, spec, show_progress=False)
     run = out / "sft"
     if not run.exists():
         tcfg, _ = common.sft_steps_for(base, SFT_TRAIN, task, seconds)

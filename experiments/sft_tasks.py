@@ -27,7 +27,7 @@ from pathlib import Path
 from experiments import common
 from mlx_llm import lora as lora_lib
 from mlx_llm.post.sft import sft_run
-from mlx_llm.recipes import MAIN_JOB_MODEL, ADAMW_TRAIN, MAIN_JOB_VOCAB, SFT_TRAIN
+from mlx_llm.recipes import BASE_MODEL, ADAMW_TRAIN, MAIN_JOB_VOCAB, SFT_TRAIN
 from mlx_llm.runs.configs import DataSpec, SFTConfig
 from mlx_llm.runs.pretrain import train_run
 
@@ -49,7 +49,7 @@ def main(argv=None) -> None:
     if base is None:
         base = args.out / "base"
         if not (base / "config.json").is_file():
-            train_run(base, MAIN_JOB_MODEL, ADAMW_TRAIN, DataSpec(vocab_size=MAIN_JOB_VOCAB), show_progress=False,
+            train_run(base, BASE_MODEL, ADAMW_TRAIN, DataSpec(vocab_size=MAIN_JOB_VOCAB), show_progress=False,
                       log=lambda *a: None)
     seeds = common.check_seeds(args.seeds)
     lora_cfg = lora_lib.LoRAConfig(rank=args.rank, alpha=2.0 * args.rank, targets=("wq", "wv", "w_up", "w_down"))

@@ -1,7 +1,7 @@
 """Attention, Mamba and a hybrid of similar size, trained for the same wall time on the default corpus
 (M20 §19), then decoded at batch 1 at several contexts.
 
-Models (experiments/configs/): dense.json (the main job's attention model, 869,504 parameters), mamba.json
+Models (experiments/configs/): dense.json (the main job's attention model before the knobs, 869,504 parameters), mamba.json
 (6 Mamba-1 layers, no FFN, 830,848), hybrid.json (Mamba / attention+SwiGLU alternating, 733,568). Each model's
 step count is set by the library's time budget (``fit_time_budget``: the step timed on the run's first batch
 after compiling, as `mlx-llm train --time-budget` does) so that its training loop lasts --seconds, with the main

@@ -32,7 +32,7 @@ import numpy as np
 
 from experiments import common
 from mlx_llm.config import wsd_decay_steps
-from mlx_llm.recipes import MAIN_JOB_MODEL, ADAMW_TRAIN, MAIN_JOB_VOCAB
+from mlx_llm.recipes import BASE_MODEL, ADAMW_TRAIN, MAIN_JOB_VOCAB
 from mlx_llm.runs.branch import Branch
 from mlx_llm.runs.configs import DataSpec
 from mlx_llm.runs.load import load_params
@@ -51,7 +51,7 @@ def run(out: Path, tcfg, spec, cache_dir, branch=None) -> dict:
     adds only what is missing)."""
     if (out / "summary.json").is_file():
         return json.loads((out / "summary.json").read_text())
-    summary = train_run(out, None if branch else MAIN_JOB_MODEL, None if branch else tcfg,
+    summary = train_run(out, None if branch else BASE_MODEL, None if branch else tcfg,
                         None if branch else spec, show_progress=False, cache_dir=cache_dir, sample_tokens=8,
                         log=lambda *a: None, branch=branch)
     print(f"{out.name}: {summary['steps']} steps, val bits/byte {summary['val_bpb']:.4f}, "
@@ -115,7 +115,7 @@ def main(argv=None) -> int:
               "wsd_family_steps": starts[top] + sum(n - starts[n] for n in budgets),
               "cosine_family_steps": sum(budgets),
               "top_branch_bitwise_equal_to_trunk": all(v["top_branch_bitwise_equal_to_trunk"] for v in per_seed.values()),
-              "train": dataclasses.asdict(base), "model": MAIN_JOB_MODEL.to_dict()}
+              "train": dataclasses.asdict(base), "model": BASE_MODEL.to_dict()}
     (args.out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     for n, st in by_budget.items():
         print(f"budget {n} steps, val bits/byte over seeds 0–{seeds - 1}:")

@@ -71,8 +71,9 @@ def test_help_shows_the_recipes_defaults(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train", "--help"])
     out = capsys.readouterr().out
-    assert "(default: 700)" in out and "(default: 1024)" in out  # the main job's steps and vocabulary
-    assert "(default: muon)" in out and "(default: 0.01)" in out  # its optimizer and peak learning rate
+    assert "(default: 640)" in out and "(default: 1024)" in out  # the main job's steps and vocabulary
+    assert "(default: normuon)" in out and "(default: 0.01)" in out  # its optimizer and peak learning rate
+    assert "(default: 27)" in out  # its warmup, scaled with its steps
 
 
 def test_mlx_llm_help_imports_no_jax():

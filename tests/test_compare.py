@@ -80,6 +80,42 @@ def test_main_job_seeds_against_a_committed_file_pairs_by_seed(tmp_path, monkeyp
         mjs.paired_against(rows[3:] + rows[:1], mjs.against_runs("old"), "old")
 
 
+def test_main_job_seeds_recipes_reach_mlx_llm_train_and_read_back_only_their_own_runs(tmp_path, monkeypatch):
+    """``experiments.main_job_seeds --recipe``: each recipe the main job grew out of reaches ``mlx-llm train`` as the
+    ``--set`` items and ``--steps`` that turn its defaults into that recipe (the main job: none), a user's ``--set``
+    on top replacing the recipe's value of the same field; runs of another recipe or settings need ``--save`` (a
+    refused command writes nothing); a finished run read back must have trained those settings."""
+    import dataclasses
+
+    from experiments import common, main_job_seeds as mjs
+    from mlx_llm.recipes import ADAMW_TRAIN, BASE_MODEL, MAIN_JOB_MODEL, MAIN_JOB_TRAIN, MUON_TRAIN
+
+    assert mjs.with_recipe("main_job", [], None) == ([], None)
+    for name, (cfg, tcfg) in mjs.RECIPES.items():
+        sets, steps = mjs.with_recipe(name, [], None)
+        assert mjs.run_configs(3, steps, sets) == (cfg, dataclasses.replace(tcfg, seed=3)), name
+    assert (BASE_MODEL, MUON_TRAIN.steps, ADAMW_TRAIN.optimizer) == (mjs.RECIPES["adamw"][0], 700, "adamw")
+    sets, steps = mjs.with_recipe("adamw", ["train.lr=0.002", "model.embed_scale=true"], 300)
+    assert steps == 300 and "train.lr=0.002" in sets and "train.lr=0.005" not in sets
+    cfg, tcfg = mjs.run_configs(0, steps, sets)
+    assert (tcfg.lr, tcfg.steps, tcfg.optimizer, cfg.embed_scale, cfg.sandwich_norm) == (0.002, 300, "adamw", True,
+                                                                                        False)
+    monkeypatch.setattr(common, "RESULTS", tmp_path / "results")
+    for argv in (["--recipe", "muon"], ["--set", "train.lr=0.02"], ["--steps", "40"]):
+        with pytest.raises(SystemExit, match=r"give --save NAME for runs of another recipe or settings"):
+            mjs.main(["--out", str(tmp_path / "runs"), *argv])
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "results").exists()
+    run = tmp_path / "runs" / "seed0"  # a finished run of the main job, read back by the muon recipe: refused
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps(MAIN_JOB_MODEL.to_dict()))
+    (run / "train_config.json").write_text(json.dumps(dataclasses.asdict(MAIN_JOB_TRAIN)))
+    (run / "summary.json").write_text(json.dumps({"val_bpb": 1.3, "val_loss": 2.3, "steps": 644,
+                                                  "train_seconds": 1.0}))
+    assert mjs.run_seed(0, tmp_path / "runs", tmp_path / "cache", None)["val_bpb"] == 1.3
+    with pytest.raises(SystemExit, match="holds a run of other settings"):
+        mjs.run_seed(0, tmp_path / "runs", tmp_path / "cache", *mjs.with_recipe("muon", [], None)[::-1])
+
+
 @pytest.mark.parametrize("values, message", [([1.0], r"has 1 value\(s\): a mean's interval needs at least two"),
                                              ([1.0, float("nan")], r"not finite")])
 def test_a_group_needs_two_finite_values(values, message):
@@ -220,9 +256,13 @@ def test_knobs_main_arms_reach_mlx_llm_train_as_their_settings(tmp_path, monkeyp
             cfg = dataclasses.replace(MAIN_JOB_MODEL, **fields.get("model", {}))
             tcfg = dataclasses.replace(MAIN_JOB_TRAIN, steps=steps, **fields.get("train", {}))
             assert (cfg, tcfg) == km.configs(arm, steps), (arm, steps)
-    assert km.settings("mtp", 583) == ["model.mtp_depth=1", "train.warmup_steps=25"]
+    # the arms are the Muon recipe's (no sandwich norms, no value embeddings, Muon, 700 steps, warmup 30), knob on;
+    # their --set items say what differs from mlx-llm train's defaults, today's main job
+    assert km.settings("mtp", 583) == ["model.value_embeds=false", "model.sandwich_norm=false", "model.mtp_depth=1",
+                                       "train.warmup_steps=25", "train.optimizer=muon"]
     assert "model.window_warmup_steps=292" in km.settings("window_warmup", 583)
-    assert km.settings("normuon", 700) == ["train.optimizer=normuon"]  # Muon's lr is the main job's already
+    assert km.settings("normuon", 700) == ["model.value_embeds=false", "model.sandwich_norm=false",
+                                           "train.warmup_steps=30"]  # NorMuon at Muon's lr is the default's
     assert [km.steps_for(r) for r in (0.96, 1.04, 1.051, 1.2, 0.8)] == [700, 700, 666, 583, 875]
     with pytest.raises(SystemExit, match="arm 'muon' is unknown"):
         km.overrides("muon")
@@ -237,7 +277,8 @@ def test_knobs_main_combinations_timing_merge_and_stale_runs(tmp_path, monkeypat
     """``experiments.knobs_main``: an arm "a+b" is the two arms' settings together (an unknown part refused in one
     line); a later timing adds its arms to the saved one, each new row keeping the main job's seconds it was timed
     against, the arms timed before untouched; a run read back that trained other than its arm's timed steps is
-    refused in one line, not compared; one timing batch for recipes of different shapes is refused."""
+    refused in one line (``common.finished_run``), not compared; one timing batch for recipes of different shapes
+    is refused."""
     import dataclasses
 
     from experiments import common, knobs_main as km
@@ -245,8 +286,8 @@ def test_knobs_main_combinations_timing_merge_and_stale_runs(tmp_path, monkeypat
 
     combo = "sandwich_norm+value_embeds+normuon"
     assert km.overrides(combo) == ({"sandwich_norm": True, "value_embeds": True}, {"optimizer": "normuon"})
-    assert km.settings(combo, 644) == ["model.value_embeds=true", "model.sandwich_norm=true",
-                                       "train.warmup_steps=28", "train.optimizer=normuon"]
+    assert km.settings(combo, 640) == []  # at its timed steps, the combination is today's main job
+    assert km.settings("sandwich_norm+value_embeds", 644) == ["train.warmup_steps=28", "train.optimizer=muon"]
     with pytest.raises(SystemExit, match="arm 'sandwich' is unknown"):
         km.overrides("sandwich+value_embeds")
     old = {"main_job_seconds": 0.30, "rounds": 15, "tolerance": 0.05,
@@ -260,11 +301,16 @@ def test_knobs_main_combinations_timing_merge_and_stale_runs(tmp_path, monkeypat
     assert old["arms"].keys() == {"mtp"} and km.merged_timing(new, None) is new
     monkeypatch.setattr(common, "RESULTS", tmp_path)
     (tmp_path / f"{km.TIMING}.json").write_text(json.dumps(merged))
-    for seed in (0, 1):
-        (tmp_path / "runs" / combo / f"seed{seed}").mkdir(parents=True)
-        (tmp_path / "runs" / combo / f"seed{seed}" / "summary.json").write_text(json.dumps(
-            {"val_bpb": 1.3, "val_loss": 2.3, "steps": 636 if seed == 0 else 700, "train_seconds": 200.0}))
-    with pytest.raises(SystemExit, match=r"seed1 trained other than the 636 steps .* is timed to now"):
+    for seed in (0, 1):  # seed 1 trained before a new timing changed the arm's steps
+        run = tmp_path / "runs" / combo / f"seed{seed}"
+        run.mkdir(parents=True)
+        cfg, tcfg = km.configs(combo, 636 if seed == 0 else 700)
+        (run / "config.json").write_text(json.dumps(cfg.to_dict()))
+        (run / "train_config.json").write_text(json.dumps(dataclasses.asdict(dataclasses.replace(tcfg, seed=seed))))
+        (run / "summary.json").write_text(json.dumps({"val_bpb": 1.3, "val_loss": 2.3, "steps": tcfg.steps,
+                                                      "train_seconds": 200.0}))
+    with pytest.raises(SystemExit, match=r"seed1 holds a run of other settings \(steps=700, warmup_steps=30; this "
+                                         r"run wants steps=636, warmup_steps=27\)"):
         km.run_arm(combo, 2, tmp_path / "runs", tmp_path / "cache", {0: 1.4, 1: 1.4})
     with pytest.raises(ValueError, match="disagree on \\(batch_size, seq_len, mesh\\)"):
         common.interleaved_step_times({"a": (None, MAIN_JOB_TRAIN),

@@ -9,7 +9,7 @@ import jax
 import pytest
 
 from experiments import long_context as lc
-from mlx_llm.recipes import MAIN_JOB_MODEL
+from mlx_llm.recipes import BASE_MODEL
 from mlx_llm.runs.record import open_run
 
 
@@ -46,7 +46,7 @@ def test_rope_rows(quick):
 @pytest.mark.slow
 def test_decode_rows(quick):
     _, result = quick
-    window, m = lc.QUICK.window, MAIN_JOB_MODEL
+    window, m = lc.QUICK.window, BASE_MODEL
     per_position = 2 * m.n_layers * m.n_kv_heads * m.d_head * 4  # K and V, float32
     rows = {r["context"]: r for r in result["decode"]["rows"]}
     assert sorted(rows) == [1024, 4096]
