@@ -48,15 +48,15 @@ from mlx_llm.recipes import BASE_MODEL, MAIN_JOB_VOCAB, MUON_TRAIN
 BASELINE = "main_job"
 AGAINST = "main_job_muon_seeds"  # the Muon main job's committed runs, paired by seed
 TIMING = "knobs_main_step_time"
-TOLERANCE = 0.05  # a step within ±5 % of the main job's trains the main job's steps
-# arms of experiments.knobs that are the main job itself (Muon at its lr) or change only what Muon replaced
+TOLERANCE = 0.05  # a step within ±5 % of the Muon recipe's trains its 700 steps
+# arms of experiments.knobs that are the Muon recipe itself (Muon at its lr) or change only what Muon replaced
 SKIPPED = {knobs.BASELINE, "muon"}
 ARMS = [a for a in knobs.ARMS if a not in SKIPPED]
 
 
 def overrides(arm: str) -> tuple[dict, dict]:
-    """(model, train) overrides of ``arm`` on the main job: the knobs arm's (several joined by "+" are merged in
-    order), without what restates the main job's optimizer (Muon at lr 1e-2)."""
+    """(model, train) overrides of ``arm`` on the Muon recipe: the knobs arm's (several joined by "+" are merged in
+    order), without what restates its optimizer (Muon at lr 1e-2)."""
     for part in arm.split("+"):
         if part not in ARMS:
             raise SystemExit(f"knobs_main: arm {part!r} is unknown; arms are {', '.join(ARMS)} (joined by '+' to "
@@ -67,8 +67,8 @@ def overrides(arm: str) -> tuple[dict, dict]:
 
 
 def configs(arm: str, steps: int | None = None):
-    """The arm's (ModelConfig, TrainConfig): the main job's with the arm's overrides; with ``steps``, trained that
-    many steps with the warmups scaled by steps / 700."""
+    """The arm's (ModelConfig, TrainConfig): the Muon recipe's with the arm's overrides; with ``steps``, trained
+    that many steps with the warmups scaled by steps / 700."""
     model, train = overrides(arm)
     cfg = dataclasses.replace(BASE_MODEL, **model)
     tcfg = dataclasses.replace(MUON_TRAIN, **train)
