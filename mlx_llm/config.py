@@ -52,7 +52,7 @@ def parse_mesh(spec: str) -> dict[str, int]:
 
 
 INT32_MAX = 2**31 - 1  # token ids, positions and the step counter are int32
-SEED_MAX = 2**63 - 1  # seeds are int64 (jax.random.key, numpy's generators)
+SEED_MAX = 2**63 - 1  # seeds are int64 (JSON, numpy's generators); ops.seed_key gives each its own key
 
 
 def _require_int(cfg, name: str, *, minimum: int, maximum: int = INT32_MAX) -> None:

@@ -1,5 +1,5 @@
 """The equations of the dense block (M20 §4–§7) and of the next-token surprise (§9–§10), as pure functions of
-arrays.
+arrays; and the one way a seed becomes a random key (``seed_key``).
 
 Shape letters (DESIGN §3): B batch, T query positions, S key positions, D model width, H query heads,
 G key/value heads, R query heads per key/value head, K head width, F FFN width.
@@ -8,8 +8,13 @@ Normalisation, softmax and log-sum-exp run in at least float32 whatever the comp
 
 from __future__ import annotations
 
+import numbers
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from mlx_llm.errors import InputError
 
 
 def _accum_dtype(dtype) -> jnp.dtype:
@@ -215,3 +220,31 @@ def geglu(y_BTD: jax.Array, w_gate_DF: jax.Array, w_up_DF: jax.Array, w_down_FD:
 def relu2(y_BTD: jax.Array, w_up_DF: jax.Array, w_down_FD: jax.Array) -> jax.Array:
     """Squared ReLU (So et al. 2021, "Primer"; modded-nanogpt): F(Y) = max(0, Y W_up)² W_down."""
     return dense(jnp.square(jax.nn.relu(dense(y_BTD, w_up_DF))), w_down_FD)
+
+
+SEED_MAX = 2**63 - 1  # seeds are int64 (JSON, numpy's generators); config.SEED_MAX is the same number
+
+
+def seed_key_data(seed) -> jax.Array:
+    """The threefry key of ``seed`` as its two uint32 words [seed >> 32, seed & 0xFFFFFFFF] (what
+    ``jax.random.PRNGKey`` returns). jax's own seeding keeps only the low 32 bits when x64 is off (the command line),
+    so seed 2**32 drew seed 0's numbers there and another draw in a float64 process; here every seed in
+    [0, ``SEED_MAX``] has its own key, the same with x64 on or off, and a seed below 2**32 keeps the key jax gives
+    it.
+    ``seed``: a Python or NumPy integer, or an integer array (traced under ``jax.vmap``: its high word is 0
+    unless it is 64-bit)."""
+    if isinstance(seed, numbers.Integral) and not isinstance(seed, bool):
+        seed = int(seed)
+        if not 0 <= seed <= SEED_MAX:
+            raise InputError(f"seed = {seed} is invalid: it must be an integer in [0, {SEED_MAX}]")
+        return jnp.asarray(np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32))
+    seed = jnp.asarray(seed)
+    if not jnp.issubdtype(seed.dtype, jnp.integer):
+        raise InputError(f"seed of dtype {seed.dtype} is invalid: it must be an integer")
+    high = (seed >> 32) if seed.dtype.itemsize == 8 else jnp.zeros_like(seed)
+    return jnp.stack([high.astype(jnp.uint32), seed.astype(jnp.uint32)], axis=-1)
+
+
+def seed_key(seed) -> jax.Array:
+    """``jax.random.key(seed)`` for every seed in [0, ``SEED_MAX``]: the typed threefry key of ``seed_key_data``."""
+    return jax.random.wrap_key_data(seed_key_data(seed), impl="threefry2x32")

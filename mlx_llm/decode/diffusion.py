@@ -33,6 +33,7 @@ from mlx_llm.config import ModelConfig
 from mlx_llm.errors import ConfigError, InputError
 from mlx_llm.model import Params, check_tokens, forward, resolved
 from mlx_llm.objectives.diffusion import check_mask_id, denoiser_log_probs
+from mlx_llm.ops import seed_key
 
 SAMPLERS = ("ancestral", "remask")
 
@@ -133,7 +134,7 @@ def sample(params: Params, cfg: ModelConfig, prompt_BP, length: int, *, steps: i
         raise InputError(f"prompt[{b}, {t}] is the MASK id {mask_id}: prompt positions are never masked")
     if sampler == "remask":
         reveal_schedule(int(length), int(steps), block_length)
-    return _sample(params, jnp.asarray(prompt, jnp.int32), jax.random.key(seed), cfg=cfg, length=int(length),
+    return _sample(params, jnp.asarray(prompt, jnp.int32), seed_key(seed), cfg=cfg, length=int(length),
                    steps=int(steps), sampler=sampler, block_length=block_length,
                    temperature=None if temperature is None else float(temperature), mask_id=mask_id,
                    kernels=resolved(kernels))

@@ -6,7 +6,7 @@ prompts through ``forward_cached``, the first token chosen from each row's last 
 over the remaining steps that feeds the last token back (one cached position per step, M20 §14).
 
 Sampling and greedy carry (cache, last tokens, done flags, running log q and log p); the PRNG key of step t
-is ``fold_in(PRNGKey(seed), t)``, so a seed fixes the whole continuation. A row that emitted ``eos_id`` is
+is ``fold_in(seed_key_data(seed), t)``, so a seed fixes the whole continuation. A row that emitted ``eos_id`` is
 done: it emits ``pad_id`` from then on and its cache, length and scores stop changing.
 
 Beam search keeps W beams per prompt (batch B·W) and reorders the cache by each survivor's parent every
@@ -27,6 +27,7 @@ from mlx_llm.config import ModelConfig
 from mlx_llm.errors import InputError
 from mlx_llm.kernels import attention_path
 from mlx_llm.model import Params, check_tokens, resolved
+from mlx_llm.ops import SEED_MAX, seed_key_data
 from mlx_llm.decode.sampling import DecodeSettings, beam_rank, beam_step, choose
 
 
@@ -216,8 +217,8 @@ def _check_request(cfg: ModelConfig, prompt_BT, max_new_tokens, prompt_lengths, 
                          f"{longest + max_new_tokens} positions, more than max_seq_len = {cfg.max_seq_len}")
     _check_id("eos_id", eos_id, cfg, allow_none=True)
     _check_id("pad_id", pad_id, cfg, allow_none=False)
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-        raise InputError(f"seed = {seed!r} is invalid: it must be an integer")
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed <= SEED_MAX:
+        raise InputError(f"seed = {seed!r} is invalid: it must be an integer in [0, {SEED_MAX}]")
     return jnp.asarray(prompt[:, :longest], jnp.int32), jnp.asarray(lengths, jnp.int32)
 
 
@@ -245,4 +246,4 @@ def generate(params: Params, cfg: ModelConfig, prompt_BT, max_new_tokens: int, *
                   kernels=resolved(kernels))
     if settings.mode == "beam":
         return _beam_jit(params, prompt, lengths, **static)
-    return _sample_jit(params, prompt, lengths, jax.random.PRNGKey(seed), **static)
+    return _sample_jit(params, prompt, lengths, seed_key_data(seed), **static)

@@ -30,6 +30,7 @@ from mlx_llm.config import TrainConfig
 from mlx_llm.decode.sampling import DecodeSettings, decoding_logprobs
 from mlx_llm.errors import ConfigError
 from mlx_llm.objectives.preference import leash
+from mlx_llm.ops import seed_key_data
 from mlx_llm.post import estimator
 from mlx_llm.runs.configs import EstimatorConfig
 from mlx_llm.train.step import init_state, make_update, optimizer_for
@@ -178,7 +179,7 @@ def train(bandit: Bandit, ref_logits, rewards, s: EstimatorConfig, *, steps: int
 
     def run(seed):
         state = init_state(None, tcfg, opt, params)
-        state = state.replace(rng=jax.random.key_data(jax.random.key(seed)))
+        state = state.replace(rng=seed_key_data(seed))
         return jax.lax.scan(step, state, jnp.arange(steps))[1]
 
     return jax.jit(jax.vmap(run))(jnp.asarray(seeds))

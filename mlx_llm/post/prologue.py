@@ -25,6 +25,7 @@ from mlx_llm.data import tokenizer as tok_lib
 from mlx_llm.data.chat import ChatTemplate
 from mlx_llm.data.templates import template_for
 from mlx_llm.errors import CheckpointError, ConfigError
+from mlx_llm.ops import seed_key
 from mlx_llm.runs.load import load_params
 from mlx_llm.runs.record import BaseRef, RunRecord, open_run, write_run
 from mlx_llm.runs.resume import Resume, open_resume
@@ -194,7 +195,7 @@ def initial_trainable(base: Base, lora_cfg, seed: int):
     state), or fresh adapters (LoRA)."""
     if lora_cfg is None:
         return jax.tree.map(jnp.copy, base.params)
-    return lora_lib.init(base.params, lora_cfg, jax.random.key(seed))
+    return lora_lib.init(base.params, lora_cfg, seed_key(seed))
 
 
 def post_fit(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, trainable, frozen, update: Callable,

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import numpy as np
 
 from mlx_llm import lora as lora_lib
@@ -33,6 +32,7 @@ from mlx_llm.data.templates import template_for
 from mlx_llm.data.text import epoch_order, val_score
 from mlx_llm.errors import ConfigError, DataError
 from mlx_llm.eval.replies import eval_task
+from mlx_llm.ops import seed_key
 from mlx_llm.post import prologue
 from mlx_llm.runs.configs import SFTConfig
 from mlx_llm.train.lm import train_loop
@@ -156,7 +156,7 @@ def sft_run(run_dir, base_run=None, *, tcfg: TrainConfig | None = None, settings
     st.template = template = template_for(tok, template)  # an imported model's own chat template, if it has one
     template.check_tokenizer(tok)
     sft_data = load_data(tok, template, tcfg.seq_len, data=s.data, task=s.task, n_train=s.n_train, seed=tcfg.batch_seed)
-    trainable = base_params if lora_cfg is None else lora_lib.init(base_params, lora_cfg, jax.random.key(tcfg.params_seed))
+    trainable = base_params if lora_cfg is None else lora_lib.init(base_params, lora_cfg, seed_key(tcfg.params_seed))
     frozen, model_of = (None, None) if lora_cfg is None else (base_params, lora_lib.model_of(lora_cfg))
     schedule_steps = st.plan.schedule_steps if st.plan else None
     step = check_fits(cfg, schedule_config(tcfg, schedule_steps), trainable=trainable, frozen=frozen,

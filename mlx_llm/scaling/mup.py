@@ -29,7 +29,7 @@ from mlx_llm import model as model_lib
 from mlx_llm.config import MUP_FFNS, MUP_MIXERS, ModelConfig
 from mlx_llm.errors import InputError
 from mlx_llm.layers import attention, ffn, layout
-from mlx_llm.ops import causal_mask
+from mlx_llm.ops import causal_mask, seed_key
 
 
 def with_width(cfg: ModelConfig, d_model: int) -> ModelConfig:
@@ -137,7 +137,7 @@ def coord_check(cfg: ModelConfig, widths, *, steps: int = 3, lr: float = 1e-2, b
     rms, losses = {}, []
     for i, width in enumerate(widths):
         c = with_width(cfg, width)
-        params = model_lib.init_params(c, jax.random.key(seed))
+        params = model_lib.init_params(c, seed_key(seed))
         adam, step, loss_fn = _adam(c, lr)
         opt_state, measure = adam.init(params), jax.jit(lambda p, c=c: activation_rms(p, tokens_BT[:, :-1], c))
         rows, row_losses = [measure(params)], []

@@ -23,6 +23,7 @@ from mlx_llm.config import ModelConfig, TrainConfig
 from mlx_llm.kernels import backend_platform
 from mlx_llm.objectives import diffusion
 from mlx_llm.objectives.loss import bits_per_byte, mtp_targets, perplexity
+from mlx_llm.ops import seed_key
 from mlx_llm.model import (hidden_states, init_params, logits_from_hidden, mtp_hidden, nll_from_hidden, resolved,
                            training_window)
 from mlx_llm.layers.moe import apply_offset_rule
@@ -107,9 +108,9 @@ def init_state(cfg: ModelConfig, tcfg: TrainConfig, optimizer: optax.GradientTra
                params=None) -> TrainState:
     """A fresh state: random parameters (``init_params``), or the given trainable ``params`` (a pretrained
     model for fine-tuning, LoRA adapters), with new optimizer moments."""
-    init_key, rng = jax.random.split(jax.random.key(tcfg.seed))
+    init_key, rng = jax.random.split(seed_key(tcfg.seed))
     if tcfg.init_seed is not None:  # the parameters from their own seed; the state's noise stays --seed's
-        init_key = jax.random.split(jax.random.key(tcfg.init_seed))[0]
+        init_key = jax.random.split(seed_key(tcfg.init_seed))[0]
     params = init_params(cfg, init_key) if params is None else params
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
                       rng=jax.random.key_data(rng), data_step=jnp.zeros((), jnp.int32))
@@ -511,7 +512,7 @@ def make_eval_step(cfg: ModelConfig, mesh, objective: str = "ar", mask_id: int |
     fn = on_mesh(objective_fn(cfg, tcfg, jnp.float32, mask_id, mesh_platform(mesh)), mesh)
 
     def step(params, batch, index):
-        loss_sum, (n, _) = fn(params, batch, jax.random.fold_in(jax.random.key(EVAL_SEED), index))
+        loss_sum, (n, _) = fn(params, batch, jax.random.fold_in(seed_key(EVAL_SEED), index))
         return loss_sum, n
 
     # params follow their argument's sharding (replicated, or sharded as in training)
