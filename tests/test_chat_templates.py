@@ -247,3 +247,54 @@ def test_import_roles_from_config_json_ids(tmp_path):
     with pytest.raises(DataError, match=r"config.json: eos_token_id = 65 names no added token"):
         hf_tokenizer.from_hf(d, {"eos_token_id": 65})
     assert np.array_equal(tok.encode("hi"), TOK.encode("hi"))
+
+
+@pytest.mark.parametrize("where, source, message", [
+    ("config", "", r"tokenizer_config.json: chat_template is empty: it would render every conversation as no text"),
+    ("config", " \n\t", r"tokenizer_config.json: chat_template is whitespace only: it would render every"),
+    ("jinja", "", r"chat_template.jinja: the file is empty: it would render every conversation as no text"),
+    ("config", "{# a comment, nothing else #}",
+     r"tokenizer_config.json: the chat template is refused: it renders the conversation \[\{'role': 'user', "
+     r"'content': 'Hi'\}\] as '', no text to send a model"),
+])
+def test_import_refuses_a_template_that_renders_nothing(tmp_path, where, source, message):
+    """An empty chat template imported silently, and `chat` then ended with "prompt_BT has shape (1, 0)"."""
+    d = export_dir(tmp_path / "hf", **({"chat_template": source} if where == "config" else {}))
+    if where == "jinja":
+        (d / "chat_template.jinja").write_text(source)
+    with pytest.raises(DataError, match=message) as info:
+        hf_tokenizer.from_hf(d)
+    assert "\n" not in str(info.value)
+
+
+def test_chat_does_not_send_a_prompt_the_template_renders_as_nothing():
+    """A tokenizer that carries an empty template (a run imported before import refused one): each turn is reported
+    in one line and not sent, instead of the session ending on "prompt_BT has shape (1, 0)"."""
+    import jax
+
+    from mlx_llm import init_params
+    from mlx_llm.eval.replies import chat_session
+    from helpers import tiny_cfg
+
+    tok = TOK.with_chat_template("")
+    with pytest.raises(InputError, match=r"^the chat template renders this conversation as no text, so there is no "
+                                         r"prompt to send the model"):
+        template_for(tok).encode(CONV[1:2], tok, generation_prompt=True)
+    cfg = tiny_cfg(vocab_size=TOK.vocab_size, n_layers=1, n_heads=2, n_kv_heads=1, d_head=8, d_ff=16)
+    lines, out = iter(["hi", "again", ""]), []
+    status = chat_session(init_params(cfg, jax.random.key(0)), cfg, tok, None, read=lambda _: next(lines),
+                          write=out.append)
+    assert status == 0 and len(out) == 2 and all(line.startswith("(not sent: the chat template renders this "
+                                                                 "conversation as no text") for line in out)
+
+
+def test_a_huge_chat_template_file_is_refused_without_reading_it_whole(tmp_path):
+    """chat_template.jinja is read up to what a template's source may hold (4 bytes per allowed character), so a
+    64 MiB file (sparse: no disk used) is refused by its size, not read into memory and then measured."""
+    d = export_dir(tmp_path / "hf")
+    with open(d / "chat_template.jinja", "wb") as fh:
+        fh.truncate(64 << 20)
+    with pytest.raises(DataError, match=r"chat_template.jinja: the chat template is refused: its file is more than "
+                                        r"4,194,304 bytes \(a template's source may have at most 1,048,576 "
+                                        r"characters\)$"):
+        hf_tokenizer.from_hf(d)

@@ -402,6 +402,40 @@ def test_import_refusals_write_nothing(exported, tmp_path):
         import_hf(out, tmp_path / "full")
 
 
+def test_an_export_records_no_local_absolute_path(exported, tmp_path):
+    """config.json's provenance held the run's absolute directory and its data settings with the corpus's, the
+    mixture sources' and a tokenizer file's absolute paths: a published export said where it was trained. Now
+    no file the export writes holds the private directory; the run, corpus and sources are there by name, and
+    an import takes the data settings but no location (the default corpus)."""
+    from mlx_llm.runs.configs import DataSpec
+    from mlx_llm.runs.load import write_checkpoint_run
+
+    cfg, params, tok, _ = exported["llama"]
+    private = (tmp_path / "private").resolve()
+    for d in ("corpus", "code", "prose"):
+        (private / d).mkdir(parents=True)
+    specs = {"single": DataSpec(path=str(private / "corpus"), tokenizer=str(private / "tok" / "tokenizer.json"),
+                                val_percent=10.0, extensions=(".py",)),
+             "mixture": DataSpec(mixture=(f"code={private / 'code'}:1.0", f"prose={private / 'prose'}:3.0"))}
+    for name, spec in specs.items():
+        run = write_checkpoint_run(private / name, cfg, TrainConfig(seq_len=32), RunRecord(kind="pretrain", data=spec),
+                                   tok, params, 1)
+        proc = cli_in_process("export", "--run", run, "--to", tmp_path / f"hf_{name}")
+        assert proc.returncode == 0, proc.stderr
+        files = sorted((tmp_path / f"hf_{name}").iterdir())
+        assert len(files) == 5 and all(str(private).encode() not in f.read_bytes() for f in files)
+        block = json.loads((tmp_path / f"hf_{name}" / "config.json").read_text())["mlx_llm"]["provenance"]
+        assert block["run"] == name and block["step"] == 1
+        back = open_run(import_hf(tmp_path / f"hf_{name}", tmp_path / f"back_{name}"))
+        assert back.record.provenance["imported"]["exported_from"] == name
+        assert back.record.data.path is None and back.record.data.mixture == ()
+        assert back.record.data.val_percent == spec.val_percent and back.record.data.extensions == spec.extensions
+    single = json.loads((tmp_path / "hf_single" / "config.json").read_text())["mlx_llm"]["provenance"]["data"]
+    assert (single["name"], single["tokenizer"], single["val_percent"]) == ("corpus", "tokenizer.json", 10.0)
+    mixture = json.loads((tmp_path / "hf_mixture" / "config.json").read_text())["mlx_llm"]["provenance"]["data"]
+    assert mixture["sources"] == ["code=code:1.0", "prose=prose:3.0"] and "name" not in mixture
+
+
 # ----- the CLI ------------------------------------------------------------------------------------------------
 def test_cli_export_then_import_then_generate(llama_run, tmp_path):
     proc = cli_in_process("export", "--run", llama_run, "--to", tmp_path / "hf")
@@ -415,7 +449,7 @@ def test_cli_export_then_import_then_generate(llama_run, tmp_path):
         records.append(json.loads(proc.stdout)["continuation_ids"])
     assert records[0] == records[1]
     info = json.loads((tmp_path / "run" / "run.json").read_text())
-    assert info["provenance"]["imported"]["exported_from"] == str(llama_run.resolve())
+    assert info["provenance"]["imported"]["exported_from"] == llama_run.name  # a name: exports hold no local path
 
 
 def test_cli_refusals_are_one_line(exported, tmp_path):

@@ -27,19 +27,23 @@ special. The post-processor is kept: Llama 3's adds ``<|begin_of_text|>``, so ``
 has no BOS, so ``tokenizer(text)`` = our ``encode(text)``. The chat template is ``chat_template.jinja`` when the
 directory has one (as transformers reads it), else tokenizer_config.json's ``chat_template`` (a string, or the
 list of named templates: the one named "default"); it is compiled, and refused in one line naming the file for a
-syntax error or an operation the sandbox forbids (data/templates.py).
+syntax error or an operation the sandbox forbids (data/templates.py), and when it is empty or renders a conversation
+as no text. The directory's files are read where they lie, or through links into the repository's blobs/ of a
+snapshot of the Hugging Face hub cache (``hf_file``); any other link out is refused.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from mlx_llm.errors import ConfigError, DataError, InputError
 from mlx_llm.data.chat import ChatTemplate
+from mlx_llm.data import template_sandbox
 from mlx_llm.data.templates import JinjaTemplate, TemplateTooCostly
 from mlx_llm.data import tokenizer as tok_lib
-from mlx_llm.settings import JsonProblem, file_inside, read_json
+from mlx_llm.settings import JsonProblem, read_json
 
 TOKENIZER_FILE, TOKENIZER_CONFIG_FILE = "tokenizer.json", "tokenizer_config.json"
 CHAT_TEMPLATE_FILE, HF_CONFIG_FILE = "chat_template.jinja", "config.json"
@@ -129,8 +133,39 @@ def run_tokenizer(run_dir, template: dict | None = None) -> tok_lib.Tokenizer:
 
 
 # ----- import -------------------------------------------------------------------------------------------------
+def hub_blobs(root: Path) -> Path | None:
+    """The ``blobs/`` directory of the Hugging Face hub repository whose snapshot is ``root`` (a resolved path of
+    the shape ``…/models--ORG--NAME/snapshots/<rev>``), or None when ``root`` is no such snapshot. blobs/ must be
+    a directory of its own, not a link (which could lead anywhere)."""
+    blobs = root.parent.parent / "blobs"
+    return blobs if root.parent.name == "snapshots" and blobs.is_dir() and not blobs.is_symlink() else None
+
+
+def hf_file(hf_dir, name, what: str, error: type[Exception] = DataError) -> Path:
+    """``hf_dir / name`` for a file name of a transformers directory (untrusted: a fixed name, or a shard an index
+    names), once checked. The name must stay inside ``hf_dir`` (not absolute, not climbing out with ``..``), and
+    where it is a link, the link must resolve inside ``hf_dir`` or, when ``hf_dir`` is a snapshot of the hub cache
+    (``snapshots/<rev>``, whose files are links to ``../../blobs/<sha256>``), inside its repository's ``blobs/``
+    (``hub_blobs``); anything else raises ``error`` in one line naming the name, ``what`` named it, and the link's
+    target. The file need not exist (callers check); a file read through a link has the size limits of a plain
+    one (the readers stat what they open)."""
+    if not isinstance(name, str) or not name:
+        raise error(f"{what} names {name!r}, not a file name")
+    root = Path(hf_dir).resolve()
+    if Path(name).is_absolute() or not Path(os.path.normpath(root / name)).is_relative_to(root):
+        raise error(f"{what} names {name!r}, which is outside {hf_dir}: a checkpoint directory's files must lie "
+                    f"inside it")
+    path, blobs = (root / name).resolve(), hub_blobs(root)
+    if path.is_relative_to(root) or (blobs is not None and path.is_relative_to(blobs)):
+        return Path(hf_dir) / name
+    where = (f"inside it or in its repository's {blobs}" if blobs else
+             "inside it (or, in a snapshot of the Hugging Face hub cache, in its repository's blobs/)")
+    raise error(f"{what} names {name!r}, which is outside {hf_dir}: it is a link to {path}; a checkpoint "
+                f"directory's files must lie {where}")
+
+
 def _read_json(path: Path, required: bool) -> dict:
-    path = file_inside(path.parent, path.name, str(path.parent), DataError)  # a link may not lead out
+    path = hf_file(path.parent, path.name, str(path.parent), DataError)  # a link may not lead out
     if not path.is_file():
         if required:
             raise DataError(f"{path.parent} has no {path.name}: an imported run needs the tokenizer that matches its "
@@ -211,12 +246,9 @@ def _mark_specials(obj: dict, tok_cfg: dict, roles: dict, hf_dir: Path) -> list[
 
 def _chat_template(hf_dir: Path, tok_cfg: dict) -> tuple[str | None, Path]:
     """(source or None, the file it came from): chat_template.jinja, else tokenizer_config.json's."""
-    jinja = file_inside(hf_dir, CHAT_TEMPLATE_FILE, str(hf_dir), DataError)
+    jinja = hf_file(hf_dir, CHAT_TEMPLATE_FILE, str(hf_dir), DataError)
     if jinja.is_file():
-        try:
-            return jinja.read_text(encoding="utf-8"), jinja
-        except (OSError, UnicodeDecodeError) as exc:
-            raise DataError(f"{jinja} cannot be read as text: {exc}") from None
+        return _read_template(jinja), jinja
     where, value = hf_dir / TOKENIZER_CONFIG_FILE, tok_cfg.get("chat_template")
     if isinstance(value, list):
         named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
@@ -230,20 +262,44 @@ def _chat_template(hf_dir: Path, tok_cfg: dict) -> tuple[str | None, Path]:
     return value, where
 
 
+def _read_template(path: Path) -> str:
+    """chat_template.jinja as text, never reading more than a template's source may hold (``MAX_SOURCE_CHARS``
+    characters of at most 4 UTF-8 bytes each): a larger file is refused before it is read whole."""
+    limit = 4 * template_sandbox.MAX_SOURCE_CHARS
+    try:
+        with path.open("rb") as fh:
+            raw = fh.read(limit + 1)
+        if len(raw) > limit:
+            raise DataError(f"{path}: the chat template is refused: its file is more than {limit:,} bytes (a "
+                            f"template's source may have at most {template_sandbox.MAX_SOURCE_CHARS:,} characters)")
+        return raw.decode("utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataError(f"{path} cannot be read as text: {exc}") from None
+
+
 def _checked_template(source: str, where: Path, tok: tok_lib.Tokenizer) -> None:
-    """Compile the template and render a short conversation with it: a syntax error, an operation the sandbox
-    forbids, or a rendering past the sandbox's deadline, memory cap or output limit refuses the import (its own
-    ``raise_exception`` does not: it judges conversations)."""
+    """Refuse an empty template, compile it and render a short conversation with it: a syntax error, an operation
+    the sandbox forbids, a rendering past the sandbox's deadline, memory cap or output limit, or one that is no
+    text at all refuses the import (its own ``raise_exception`` does not: it judges conversations). An empty
+    template would render every prompt as no tokens, which no model can continue."""
+    field = "the file" if where.name == CHAT_TEMPLATE_FILE else "chat_template"
+    if not source.strip():
+        raise DataError(f"{where}: {field} is {'empty' if not source else 'whitespace only'}: it would render "
+                        f"every conversation as no text; remove it (the model then has no chat template of its own) "
+                        f"or give the model's template")
     template = JinjaTemplate(source, tok, str(where))
     for messages, prompt in (([{"role": "user", "content": "Hi"}], True),
                              ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
                                {"role": "assistant", "content": "Hello"}], False)):
         try:
-            template.render(messages, generation_prompt=prompt)
+            text = template.render(messages, generation_prompt=prompt)
         except TemplateTooCostly as err:
             raise DataError(f"{where}: the chat template is refused: {str(err).partition(': ')[2]}") from None
         except InputError:
-            pass
+            continue
+        if not text.strip():
+            raise DataError(f"{where}: the chat template is refused: it renders the conversation {messages!r} as "
+                            f"{text!r}, no text to send a model")
 
 
 def from_hf(hf_dir: Path, config: dict | None = None) -> tok_lib.Tokenizer:

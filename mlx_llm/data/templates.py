@@ -190,8 +190,12 @@ class JinjaTemplate:
 
     def encode(self, messages, tok: Tokenizer, *, generation_prompt: bool = False):
         """(ids (n,) int32, target (n,) bool) of ``render``: targets are each assistant content's tokens and the
-        end-of-turn token after it (as ``ChatTemplate.encode``, also in a prompt's history)."""
+        end-of-turn token after it (as ``ChatTemplate.encode``, also in a prompt's history); a conversation the
+        template renders as no text is an InputError (``chat`` reports it and sends nothing)."""
         text = self.render(messages, generation_prompt=generation_prompt)
+        if not text:  # an empty template (a run imported before import refused one): no prompt to continue
+            raise InputError("the chat template renders this conversation as no text, so there is no prompt to send "
+                             "the model (its tokenizer's chat_template is empty or writes nothing for it)")
         probe = self._render([{"role": m["role"], "content": PLACEHOLDER.format(k)} for k, m in enumerate(messages)],
                              generation_prompt)
         spans = locate_contents(text, probe, [m["content"] for m in messages])

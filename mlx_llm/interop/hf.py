@@ -5,7 +5,9 @@
 ``AutoTokenizer.from_pretrained(out_dir)`` load it (the nine families of ``hf_config.CLASSES``).
 ``import_hf(hf_dir, run_dir)`` writes a run directory (config.json, train_config.json, run.json, tokenizer.json,
 one checkpoint) that ``mlx-llm generate / eval / sft --base`` use like any other. import(export(x)) gives back
-x's parameters and ModelConfig bit for bit.
+x's parameters and ModelConfig bit for bit. An export records no local absolute path (``data_provenance``); an
+import reads a snapshot of the Hugging Face hub cache, whose files are links into its repository's blobs/
+(``hf_tokenizer.hf_file``).
 
 Neither direction needs torch: tensors go through ``safetensors.numpy``. Nothing is written when anything is
 refused, and a directory is only ever created whole (written beside its target under a temporary name, then
@@ -26,13 +28,13 @@ from mlx_llm.config import ModelConfig, TrainConfig, umask_mode
 from mlx_llm.errors import CheckpointError, ConfigError
 from mlx_llm.interop import hf_config, hf_weights
 from mlx_llm.data import hf_tokenizer
-from mlx_llm.runs.configs import DataSpec
+from mlx_llm.runs.configs import TOKENIZERS, DataSpec
 from mlx_llm.runs.rundir import check_new_dir, new_dir
 from mlx_llm.runs.load import checkpoint_step, load_params, write_checkpoint_run
 from mlx_llm.runs.record import RunRecord, open_run
 from mlx_llm.scaling import mup
 from mlx_llm.data import tokenizer as tok_lib
-from mlx_llm.settings import JsonProblem, file_inside, read_json
+from mlx_llm.settings import JsonProblem, read_json
 
 WEIGHTS_FILE, INDEX_FILE, CONFIG_FILE = "model.safetensors", "model.safetensors.index.json", "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -133,10 +135,28 @@ def export_run(run_dir, out_dir, *, step: int | None = None, log=None) -> Path:
                           f"PATH (the tokenizer the ids were made with) to export")
     step = checkpoint_step(run, step)
     params = load_params(run, step)
-    provenance = {"run": str(run.path.resolve()), "step": step,
-                  "data": None if run.record.data is None else run.record.data.to_dict(),
+    provenance = {"run": run.path.resolve().name, "step": step, "data": data_provenance(run.record.data),
                   "train_config": tcfg.to_dict()}
     return export_model(jax_to_numpy(params), cfg, tok, out_dir, provenance=provenance, log=log)
+
+
+LOCATION_FIELDS = ("path", "mixture")  # DataSpec's fields that say where the data lies
+
+
+def data_provenance(spec: DataSpec | None) -> dict | None:
+    """What an export records of its run's data in config.json, which is published with the checkpoint: the data
+    settings, with where the data lay by name only — the corpus's last path component (``name``), each mixture
+    source as ``NAME=name:WEIGHT`` (``sources``), a tokenizer file's name — never a local absolute path."""
+    if spec is None:
+        return None
+    out = {k: v for k, v in spec.to_dict().items() if k not in LOCATION_FIELDS}
+    if spec.tokenizer not in TOKENIZERS:
+        out["tokenizer"] = Path(spec.tokenizer).name
+    if spec.path is not None:
+        out["name"] = Path(spec.path).name
+    if spec.mixture:
+        out["sources"] = [f"{s.name}={Path(s.path).name}:{s.weight!r}" for s in spec.sources]
+    return out
 
 
 def jax_to_numpy(tree):
@@ -159,7 +179,7 @@ class HFModel:
 
 
 def _read_config(hf_dir: Path) -> dict:
-    path = file_inside(hf_dir, CONFIG_FILE, str(hf_dir), CheckpointError)
+    path = inside_name(hf_dir, CONFIG_FILE, str(hf_dir))
     if not path.is_file():
         raise CheckpointError(f"{str(hf_dir)!r} is not a transformers checkpoint directory: it has no {CONFIG_FILE}")
     try:
@@ -172,10 +192,16 @@ def _read_config(hf_dir: Path) -> dict:
     return obj
 
 
+def inside_name(hf_dir: Path, name, what: str) -> Path:
+    """``hf_dir / name`` for a file name of the checkpoint directory (untrusted): it must resolve, links followed,
+    inside ``hf_dir``, or into its repository's blobs/ for a snapshot of the Hugging Face hub cache
+    (``hf_tokenizer.hf_file``); anything else is refused naming it (and a link's target)."""
+    return hf_tokenizer.hf_file(hf_dir, name, what, CheckpointError)
+
+
 def inside(hf_dir: Path, name, what: str) -> Path:
-    """``hf_dir / name`` for a file name read from the checkpoint directory (untrusted): it must resolve, links
-    followed, to a regular file inside ``hf_dir``; anything else is refused by name."""
-    path = file_inside(hf_dir, name, what, CheckpointError)
+    """``inside_name``, which must be a regular file."""
+    path = inside_name(hf_dir, name, what)
     if not path.is_file():
         raise CheckpointError(f"{what} names {name!r}, which is not a file in {hf_dir}")
     return path
@@ -187,7 +213,7 @@ def weight_files(hf_dir: Path) -> list[Path]:
         return [inside(hf_dir, WEIGHTS_FILE, str(hf_dir))]
     if (hf_dir / INDEX_FILE).is_file():
         try:
-            index = read_json(hf_dir / INDEX_FILE)
+            index = read_json(inside(hf_dir, INDEX_FILE, str(hf_dir)))
         except JsonProblem as exc:
             raise CheckpointError(f"{hf_dir / INDEX_FILE} is not a safetensors index ({exc.detail})") from None
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
@@ -256,11 +282,18 @@ def _train_config(block: dict, cfg: ModelConfig) -> TrainConfig:
 
 
 def _data_spec(block: dict, tok: tok_lib.Tokenizer) -> DataSpec:
-    stored = provenance(block).get("data")
-    if stored:
-        with contextlib.suppress(ConfigError, TypeError, KeyError):
-            return DataSpec.from_dict(stored)
+    """The imported run's data settings: the exported run's (``data_provenance``) when config.json carries them,
+    but never a location: a checkpoint comes from elsewhere, and nothing in it may point the run at a local file,
+    so the corpus is the default one and the tokenizer setting is byte or bpe."""
     kind = "byte" if isinstance(tok, tok_lib.ByteTokenizer) else "bpe"
+    stored = provenance(block).get("data")
+    if isinstance(stored, dict):
+        keep = {f.name for f in dataclasses.fields(DataSpec)} - set(LOCATION_FIELDS)
+        settings = {k: v for k, v in stored.items() if k in keep}
+        if settings.get("tokenizer") not in TOKENIZERS:
+            settings["tokenizer"] = kind
+        with contextlib.suppress(ConfigError, TypeError, ValueError):
+            return DataSpec(**settings)
     return DataSpec(tokenizer=kind, vocab_size=tok.vocab_size)
 
 
