@@ -69,7 +69,7 @@ def main() -> None:
         return jax.jit(jax.grad(lambda *a: jnp.sum(jnp.sin(fn(*a))), argnums=tuple(range(nargs))))
 
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
-    ctx = Context(positions_BT=positions, mask_BTS=causal_mask(None, b, t), segment_ids_BT=None, slots_BT=None)
+    ctx = Context(positions_BT=positions, mask_BTS=causal_mask(None, b, t), segment_ids_BT=None)
     attn_layer, mamba_layer = first_layer(dense_cfg), first_layer(mamba_cfg)
     variants = {
         "scan: fused": (grad_of(lambda *a: mamba.fused_scan(*a)[0], 5), scan_args),

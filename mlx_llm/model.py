@@ -55,15 +55,6 @@ EXTRA_STREAM = 0x6B6E6F62  # fold_in constant of the knobs' second key stream (l
 _DRAWS = {kind: layout.draws(table) for kind, table in layout.KINDS.items()}
 
 
-class RingContext(NamedTuple):
-    """Cached decoding through sliding-window layers (``decode.state.ring_context``): which of the W ring slots
-    and T new positions each new query reads (B, T, W + T), and the ring slot each new position is written to
-    (B, T; W = dropped)."""
-
-    mask_BTS: jax.Array
-    slots_BT: jax.Array
-
-
 class Context(NamedTuple):
     """What every layer of one forward shares: positions (B, T), the boolean attention mask (B, T, S) of the
     reference attention path (None for the other paths, which read ``segment_ids_BT``) and the execution
@@ -72,9 +63,7 @@ class Context(NamedTuple):
     positions_BT: jax.Array
     mask_BTS: jax.Array | None
     segment_ids_BT: jax.Array | None = None
-    slots_BT: jax.Array | None = None  # cached decoding only: where new K/V are written
     kernels: Kernels = REFERENCE
-    ring: RingContext | None = None  # cached decoding through sliding-window layers only
     tokens_BT: jax.Array | None = None  # the input ids (value embeddings read them)
     window: jax.Array | None = None  # training under a window warmup: the 'local' layers' window W(s), traced
 

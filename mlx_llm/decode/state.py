@@ -1,6 +1,8 @@
 """The decode state (M20 §14, §19; U19 §6): allocation and the cached forward pass (bytes: ``accounting``).
 
-One ``DecodeState`` carries what every layer needs to continue a prefix:
+One ``DecodeState`` carries what every layer needs to continue a prefix, one store per mixer kind, stacked over
+the layers of that kind in stack order. Each mixer declares what it carries (its ``state_spec``:
+``layers/state_spec.py``) and decode/ allocates the store that serves it (``decode/cache.py``):
 - attention layers: the rotated keys K̃ and the unrotated values 𝖵 of every processed position (M20 §14's
   convention), for the h_kv key/value heads only (GQA, M20 §6), preallocated to ``max_len`` slots; slot s of
   row b holds absolute position s;
@@ -8,10 +10,12 @@ One ``DecodeState`` carries what every layer needs to continue a prefix:
   slot p mod W, so the state stops growing once the prefix is longer than the window;
 - Mamba layers: the conv window (the last W−1 conv inputs) and the SSM state (I, N), constant in the prefix.
 ``lengths[b]`` counts the positions row b has processed, so rows of a batch may hold prefixes of different
-lengths. Each kind's arrays are stacked over the layers of that kind, in stack order.
+lengths.
 
-``forward_cached`` is the prefill and the decode step alike: it computes Q/K/V for the new positions only,
-writes their K/V into the slots ``lengths[b] + t`` and lets each new query read every allowed slot.
+``forward_cached`` is the prefill and the decode step alike: it computes the mixers' inputs for the new positions
+only and hands each layer a view of its store (``MIXERS[kind].decode_branch``): the view writes the new keys and
+values (or state) and lets each new query read what it holds. No mixer kind is named here: a new kind that
+declares its state adds no line to this module.
 """
 
 from __future__ import annotations
@@ -22,9 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from mlx_llm.config import ModelConfig
+from mlx_llm.decode import cache as cache_lib
 from mlx_llm.errors import InputError
-from mlx_llm.layers import attention, mamba
-from mlx_llm.model import (FFNS, Context, Params, RingContext, check_tokens, embed, layer_list, logits_from_hidden,
+from mlx_llm.model import (FFNS, MIXERS, Context, Params, check_tokens, embed, layer_list, logits_from_hidden,
                            resolved)
 
 from mlx_llm.scaling.accounting import kv_cache_bytes  # noqa: F401  (re-exported: U19 §6's 2·L·t·h_kv·d_h·bytes)
@@ -34,34 +38,71 @@ from mlx_llm.scaling.accounting import kv_cache_bytes  # noqa: F401  (re-exporte
 class DecodeState:
     """The state of every layer after ``lengths[b]`` positions of row b.
 
-    k, v: (L_attn, B, S, G, K) — attention layers, batch, slots, key/value heads, head width (slots at or beyond
-    ``lengths[b]`` hold no valid position and are never read; zero layers without attention). conv:
-    (L_mamba, B, W−1, I), ssm: (L_mamba, B, I, N), None without Mamba layers. k_ring, v_ring: (L_local, B, W, G,
-    K), None without sliding-window layers. lengths: (B,) int32. Every array but lengths has batch on axis 1
-    (``reorder_rows``). ``max_len`` bounds the positions the state serves (the ring buffers do not).
+    stores: mixer kind → its store (``decode/cache.py``), every array of it stacked over the layers of that kind
+    with batch on axis 1 (``reorder_rows``). lengths: (B,) int32. ``max_len`` bounds the positions the state
+    serves (a ring or a recurrent state holds fewer).
+
+    ``k``/``v`` (L_attn, B, S, G, K), ``k_ring``/``v_ring`` (L_local, B, W, G, K) and ``conv`` (L_mamba, B, W−1, I) /
+    ``ssm`` (L_mamba, B, I, N) read the first store of each type (``store_of``; None, or no layers for ``k``/``v``,
+    when there is none): what tests and benchmarks inspect.
     """
 
-    k: jax.Array
-    v: jax.Array
+    stores: dict
     lengths: jax.Array
-    conv: jax.Array | None = None
-    ssm: jax.Array | None = None
-    k_ring: jax.Array | None = None  # (L_local, B, W, G, K): sliding-window layers, slot = position mod W
-    v_ring: jax.Array | None = None
+    max_len: int = flax.struct.field(pytree_node=False)
+
+    def store_of(self, store_type) -> object | None:
+        """The first store of type ``store_type`` (``cache.KVCache``, ``cache.RingCache``, ``cache.SlotState``),
+        in stack order, or None."""
+        return next((s for s in self.stores.values() if isinstance(s, store_type)), None)
 
     @property
-    def max_len(self) -> int:
-        return self.k.shape[2]
+    def k(self) -> jax.Array:
+        return self._kv().k
 
+    @property
+    def v(self) -> jax.Array:
+        return self._kv().v
 
+    def _kv(self) -> cache_lib.KVCache:
+        found = self.store_of(cache_lib.KVCache)
+        if found is None:  # no full-attention layer: a stack of zero layers
+            empty = jnp.zeros((0, self.lengths.shape[0], self.max_len, 1, 1))
+            return cache_lib.KVCache(k=empty, v=empty)
+        return found
+
+    @property
+    def k_ring(self) -> jax.Array | None:
+        ring = self.store_of(cache_lib.RingCache)
+        return None if ring is None else ring.k
+
+    @property
+    def v_ring(self) -> jax.Array | None:
+        ring = self.store_of(cache_lib.RingCache)
+        return None if ring is None else ring.v
+
+    @property
+    def conv(self) -> jax.Array | None:
+        slots = self.store_of(cache_lib.SlotState)
+        return None if slots is None else slots.arrays[0]
+
+    @property
+    def ssm(self) -> jax.Array | None:
+        slots = self.store_of(cache_lib.SlotState)
+        return None if slots is None else slots.arrays[1]
 
 
 def _layers_of(cfg: ModelConfig, kind: str) -> list[int]:
     return [l for l in range(cfg.n_layers) if cfg.layer_kinds(l)[0] == kind]
 
 
+def mixer_kinds(cfg: ModelConfig) -> list[str]:
+    """The mixer kinds of the stack, in the order they first appear."""
+    return list(dict.fromkeys(cfg.layer_kinds(l)[0] for l in range(cfg.n_layers)))
+
+
 def kind_index(cfg: ModelConfig) -> list[int]:
-    """For each layer, its index among the layers of its mixer kind (its row in k/v or in conv/ssm)."""
+    """For each layer, its index among the layers of its mixer kind (its row in that kind's store)."""
     seen: dict[str, int] = {}
     out = []
     for l in range(cfg.n_layers):
@@ -73,26 +114,19 @@ def kind_index(cfg: ModelConfig) -> list[int]:
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> DecodeState:
     """An empty decode state: zeros (K/V are never read before written; zero conv window and SSM state are
-    the padding before the first token) and lengths 0."""
+    the padding before the first token) and lengths 0. Each mixer kind's store is what its ``state_spec``
+    declares (``cache.allocate``)."""
     for name, value in (("batch", batch), ("max_len", max_len)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise InputError(f"init_cache: {name} = {value!r} is invalid: it must be a positive integer")
-    n_attn, n_mamba, n_local = (len(_layers_of(cfg, kind)) for kind in ("attn", "mamba", "local"))
-    kv_shape = (n_attn, batch, max_len, cfg.n_kv_heads or 1, cfg.d_head or 1)
-    conv_BWI, ssm_BIN = mamba.init_state(cfg, batch, dtype) if n_mamba else (None, None)
-    stack = lambda a: None if a is None else jnp.broadcast_to(a, (n_mamba, *a.shape))
-    ring = (n_local, batch, cfg.sliding_window or 1, cfg.n_kv_heads or 1, cfg.d_head or 1)
-    ring_k, ring_v = (jnp.zeros(ring, dtype), jnp.zeros(ring, dtype)) if n_local else (None, None)
-    return DecodeState(k=jnp.zeros(kv_shape, dtype), v=jnp.zeros(kv_shape, dtype),
-                       lengths=jnp.zeros((batch,), jnp.int32), conv=stack(conv_BWI),
-                       ssm=stack(ssm_BIN), k_ring=ring_k, v_ring=ring_v)
+    stores = {kind: cache_lib.allocate(MIXERS[kind].state_spec(cfg, kind), len(_layers_of(cfg, kind)), batch,
+                                       max_len, dtype) for kind in mixer_kinds(cfg)}
+    return DecodeState(lengths=jnp.zeros((batch,), jnp.int32), stores=stores, max_len=int(max_len))
 
 
 def reorder_rows(state: DecodeState, rows) -> DecodeState:
     """The state of rows ``rows`` (a gather along the batch axis of every array: beam search, repeats)."""
-    take = lambda a: None if a is None else a[:, rows]
-    return state.replace(k=take(state.k), v=take(state.v), conv=take(state.conv), ssm=take(state.ssm),
-                         k_ring=take(state.k_ring), v_ring=take(state.v_ring), lengths=state.lengths[rows])
+    return state.replace(stores=jax.tree.map(lambda a: a[:, rows], state.stores), lengths=state.lengths[rows])
 
 
 def _check_capacity(cache: DecodeState, n_new_B, t: int) -> None:
@@ -113,23 +147,17 @@ def _check_capacity(cache: DecodeState, n_new_B, t: int) -> None:
         )
 
 
-def _cached_layer(carry, layer, kinds, i, cfg: ModelConfig, ctx: Context, n_new_B):
-    """One layer on the new positions; ``i`` is its row among the layers of its mixer kind. Attention writes
-    its K̃/𝖵 into the carried cache in place; Mamba advances its conv window and SSM state (rows stop at their
-    last real token)."""
-    h_BTD, k, v, conv, ssm, k_ring, v_ring = carry
-    if kinds[0] == "attn":
-        h_BTD, k, v = attention.cached_branch(h_BTD, layer, cfg, ctx, k, v, i)
-    elif kinds[0] == "local":
-        h_BTD, k_ring, v_ring = attention.ring_branch(h_BTD, layer, cfg, ctx, k_ring, v_ring, i)
-    else:
-        h_BTD, conv_i, ssm_i = mamba.advance(h_BTD, layer, cfg, conv[i], ssm[i], n_new_B)
-        conv, ssm = conv.at[i].set(conv_i), ssm.at[i].set(ssm_i)
+def _cached_layer(h_BTD, stores, layer, kinds, i, cfg: ModelConfig, ctx: Context, call: cache_lib.Call):
+    """One layer on the new positions; ``i`` is its row in its mixer kind's store, which it reads and writes
+    through a view (Mamba rows stop at their last real token). Returns (H', stores)."""
+    view = stores[kinds[0]].view(i, call)
+    h_BTD, view = MIXERS[kinds[0]].decode_branch(h_BTD, layer, cfg, ctx, view, kinds[0])
+    stores = {**stores, kinds[0]: view.store}
     if kinds[1] == "moe":  # routing is per token, so an MoE FFN decodes exactly like a dense one
         h_BTD, _ = FFNS["moe"].branch(h_BTD, layer, cfg, impl=ctx.kernels.moe_impl, interpret=ctx.kernels.interpret)
     elif kinds[1] != "none":
         h_BTD, _ = FFNS[kinds[1]].branch(h_BTD, layer, cfg, kinds[1])
-    return h_BTD, k, v, conv, ssm, k_ring, v_ring
+    return h_BTD, stores
 
 
 def unstack_layers(params: Params, cfg: ModelConfig) -> list[dict]:
@@ -145,29 +173,6 @@ def require_causal(cfg: ModelConfig) -> None:
         raise InputError("this model is bidirectional (causal = false): it has no KV cache and no next-token "
                          "decoding; sample it with mlx_llm.decode.diffusion.sample (the CLI does this for a "
                          "diffusion run)")
-
-
-def ring_context(cfg: ModelConfig, lengths_B, n_new_B, t: int) -> RingContext:
-    """What every sliding-window layer of one cached call shares (W = ``cfg.sliding_window``).
-
-    Before the call, ring slot s of row b holds the latest position p < lengths[b] with p ≡ s (mod W),
-    p = n − 1 − ((n − 1 − s) mod W) for n = lengths[b] (none when p < 0). New token t at position q = n + t reads
-    slot s iff it holds a position p > q − W, and new token t' ≤ t iff t' is real and t − t' < W. Afterwards the
-    last min(W, n_new) real new positions are written to slots p mod W (distinct: fewer than W + 1 consecutive
-    positions); the others are dropped (slot W, out of range), as their keys have left every later window."""
-    w = cfg.sliding_window
-    n_B1 = lengths_B[:, None]
-    s_W = jnp.arange(w, dtype=jnp.int32)
-    t_T = jnp.arange(t, dtype=jnp.int32)
-    held_BW = n_B1 - 1 - jnp.mod(n_B1 - 1 - s_W[None, :], w)
-    q_BT = n_B1 + t_T[None, :]
-    ring_BTW = (held_BW[:, None, :] >= 0) & (held_BW[:, None, :] > q_BT[:, :, None] - w)
-    d_TT = t_T[:, None] - t_T[None, :]
-    new_BTT = (d_TT >= 0) & (d_TT < w) & (t_T[None, None, :] < n_new_B[:, None, None])
-    new_end_B1 = n_B1 + n_new_B[:, None]
-    kept_BT = (t_T[None, :] < n_new_B[:, None]) & (q_BT >= new_end_B1 - w)
-    return RingContext(mask_BTS=jnp.concatenate([ring_BTW, new_BTT], axis=-1),
-                       slots_BT=jnp.where(kept_BT, jnp.mod(q_BT, w), w))
 
 
 def forward_cached(params: Params, tokens_BT, cache: DecodeState, cfg: ModelConfig, *, n_new_B=None, layers=None,
@@ -194,16 +199,11 @@ def forward_cached(params: Params, tokens_BT, cache: DecodeState, cfg: ModelConf
     b, t = tokens_BT.shape
     n_new_B = jnp.full((b,), t, jnp.int32) if n_new_B is None else jnp.asarray(n_new_B, jnp.int32)
     _check_capacity(cache, n_new_B, t)
-    t_T, s_S = jnp.arange(t, dtype=jnp.int32), jnp.arange(cache.max_len, dtype=jnp.int32)
-    positions_BT = cache.lengths[:, None] + t_T[None, :]
-    new_lengths_B = cache.lengths + n_new_B
-    mask_BTS = (s_S <= positions_BT[:, :, None]) & (s_S < new_lengths_B[:, None, None])
-    slots_BT = jnp.where(t_T[None, :] < n_new_B[:, None], positions_BT, cache.max_len)
-
-    ring = ring_context(cfg, cache.lengths, n_new_B, t) if cache.k_ring is not None else None
-    ctx = Context(positions_BT, None if fresh else mask_BTS, slots_BT=slots_BT, kernels=resolved(kernels), ring=ring,
-                  tokens_BT=tokens_BT)
-    carry = (embed(params, tokens_BT, cfg), cache.k, cache.v, cache.conv, cache.ssm, cache.k_ring, cache.v_ring)
+    kernels = resolved(kernels)
+    call = cache_lib.call_of(cache.stores, cache.lengths, n_new_B, t, cache.max_len, fresh=fresh, kernels=kernels)
+    positions_BT = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    ctx = Context(positions_BT, None, kernels=kernels, tokens_BT=tokens_BT)
+    h_BTD, stores = embed(params, tokens_BT, cfg), cache.stores
     index = kind_index(cfg)
     if cfg.unet_skips and layers is None:  # the skips pair layers across the stack: run them one by one
         layers = unstack_layers(params, cfg)
@@ -211,23 +211,22 @@ def forward_cached(params: Params, tokens_BT, cache: DecodeState, cfg: ModelConf
         half, outs = cfg.n_layers // 2, []
         for l, layer in enumerate(layers):
             if cfg.unet_skips and l >= half:  # H + w_{l−U}·H_{L−1−l} (model._unet_stack)
-                h_BTD = carry[0] + params["skip_weights"][l - half].astype(carry[0].dtype) * outs[cfg.n_layers - 1 - l]
-                carry = (h_BTD, *carry[1:])
-            carry = _cached_layer(carry, layer, cfg.layer_kinds(l), index[l], cfg, ctx, n_new_B)
-            outs.append(carry[0])
+                h_BTD = h_BTD + params["skip_weights"][l - half].astype(h_BTD.dtype) * outs[cfg.n_layers - 1 - l]
+            h_BTD, stores = _cached_layer(h_BTD, stores, layer, cfg.layer_kinds(l), index[l], cfg, ctx, call)
+            outs.append(h_BTD)
     else:
-        per_period = {kind: sum(k[0] == kind for k in cfg.group_kinds) for kind in ("attn", "local", "mamba")}
+        per_period = {kind: sum(k[0] == kind for k in cfg.group_kinds) for kind in stores}
 
         def step(carry, xs):
+            h_BTD, stores = carry
             group, g = xs
             layers_of_group = [group] if cfg.uniform else group
             for j, (layer, kinds) in enumerate(zip(layers_of_group, cfg.group_kinds)):
                 # layer g·P + j is row g·(its kind's layers per period) + (its rank among them in the period)
-                carry = _cached_layer(carry, layer, kinds, g * per_period[kinds[0]] + index[j], cfg, ctx, n_new_B)
-            return carry, None
+                h_BTD, stores = _cached_layer(h_BTD, stores, layer, kinds, g * per_period[kinds[0]] + index[j], cfg,
+                                              ctx, call)
+            return (h_BTD, stores), None
 
         n_groups = jnp.arange(cfg.n_layers // cfg.period, dtype=jnp.int32)
-        carry, _ = jax.lax.scan(step, carry, (params["blocks"], n_groups))
-    h_BTD, k, v, conv, ssm, k_ring, v_ring = carry
-    return logits_from_hidden(h_BTD, params, cfg), cache.replace(k=k, v=v, conv=conv, ssm=ssm, k_ring=k_ring,
-                                                                  v_ring=v_ring, lengths=new_lengths_B)
+        (h_BTD, stores), _ = jax.lax.scan(step, (h_BTD, stores), (params["blocks"], n_groups))
+    return logits_from_hidden(h_BTD, params, cfg), cache.replace(stores=stores, lengths=cache.lengths + n_new_B)

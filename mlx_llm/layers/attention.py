@@ -4,7 +4,8 @@ Keys (DESIGN §1): ``attn_norm (d)``, ``wq (d, Hq, Dh)``, ``wk, wv (d, Hkv, Dh)`
 ``qkv_bias`` also ``bq (Hq, Dh)``, ``bk, bv (Hkv, Dh)`` (Qwen2); with ``qk_norm`` the per-head RMSNorm gains
 ``q_norm, k_norm (Dh)`` applied to Q and K before RoPE (Qwen3). The branch is Z = H + A(N_γa(H)); the residual
 carries H, not N(H) (M20 §7). Mixer kind "local" is the same layer reading a sliding window of
-``cfg.sliding_window`` positions; in decoding its cache is a ring buffer of that many slots (``ring_branch``).
+``cfg.sliding_window`` positions. In decoding the layer declares what it carries (``state_spec``) and reads and
+writes it through the view decode/ hands it (``decode_branch``): it never sees the cache's layout.
 
 The knobs (``ModelConfig``): ``sandwich_norm`` adds ``post_attn_norm (d)``, Z = H + N_post(A(N_γa(H)));
 ``value_embeds`` adds ``value_embed (V, Hkv, Dh)`` and ``value_gate ()``, V = X W^V + λ·E^v[x];
@@ -24,7 +25,8 @@ from mlx_llm.kernels import attention as kernels
 from mlx_llm.layers import initializers, layout
 from mlx_llm.layers.norm import norm, post_norm
 from mlx_llm.layers.rope_scaling import rope_for
-from mlx_llm.ops import attention, dense
+from mlx_llm.layers.state_spec import KVSpec
+from mlx_llm.ops import dense
 
 
 def init(cfg, normal, L: int, dtype) -> dict:
@@ -88,40 +90,17 @@ def branch(h_BTD, layer, cfg, ctx, window: int | None = None) -> jax.Array:
     return _residual(h_BTD, o_BTHK, layer, cfg)
 
 
-def cached_branch(h_BTD, layer, cfg, ctx, k_LBSGK, v_LBSGK, l):
-    """The same branch on new positions only (M20 §14): their K̃/𝖵 go into slots ``ctx.slots_BT`` of layer l
-    of the carried cache, and each new query reads the slots ``ctx.mask_BTS`` allows. Returns (Z, k, v).
-    ``ctx.mask_BTS`` None marks a prefill into an empty cache: the new tokens read each other only, causally,
-    through the attention path ``ctx.kernels`` names."""
-    q_BTHK, k_BTGK, v_BTGK = _qkv(h_BTD, layer, cfg, ctx, False)
-    b_B1 = jnp.arange(h_BTD.shape[0])[:, None]
-    # Scatter into the whole carried buffer (layer l, row b, slot): XLA updates a loop carry in place.
-    # Padding goes to slot S (out of range) and is dropped, so it can never overwrite a valid slot.
-    k_LBSGK = k_LBSGK.at[l, b_B1, ctx.slots_BT].set(k_BTGK.astype(k_LBSGK.dtype), mode="drop")
-    v_LBSGK = v_LBSGK.at[l, b_B1, ctx.slots_BT].set(v_BTGK.astype(v_LBSGK.dtype), mode="drop")
-    if ctx.mask_BTS is None:
-        o_BTHK = kernels.attention(q_BTHK, k_BTGK, v_BTGK, None, causal=True, kernels=ctx.kernels,
-                                   cap=cfg.attn_softcap)
-    else:
-        o_BTHK = attention(q_BTHK, k_LBSGK[l].astype(q_BTHK.dtype), v_LBSGK[l].astype(q_BTHK.dtype), ctx.mask_BTS,
-                           cfg.attn_softcap)
-    return _residual(h_BTD, o_BTHK, layer, cfg), k_LBSGK, v_LBSGK
+# ----- decoding ------------------------------------------------------------------------------------------
+def state_spec(cfg, kind: str) -> KVSpec:
+    """What a cached call carries for an attention layer of mixer kind ``kind``: the keys and values of its
+    h_kv heads (GQA, M20 §6), for every position or, for "local", the last ``sliding_window`` of them."""
+    return KVSpec(heads=cfg.n_kv_heads or 1, width=cfg.d_head or 1, window=cfg.window(kind))
 
 
-def ring_branch(h_BTD, layer, cfg, ctx, k_LBWGK, v_LBWGK, l):
-    """``cached_branch`` for a sliding-window layer whose cache is a ring of W = ``cfg.sliding_window`` slots:
-    each new query reads the ring (older positions) and the new positions, as ``ctx.ring.mask_BTS`` allows
-    (decode/state.py ``ring_context``); then the new positions that later windows still need are written into
-    their slots. Cost and memory per token are O(W), whatever the prefix length. Returns (Z, k, v)."""
-    q_BTHK, k_BTGK, v_BTGK = _qkv(h_BTD, layer, cfg, ctx, True)
-    if ctx.mask_BTS is None:  # a prefill into an empty cache: the ring holds nothing yet
-        o_BTHK = kernels.attention(q_BTHK, k_BTGK, v_BTGK, None, causal=True, kernels=ctx.kernels,
-                                   window=cfg.sliding_window, cap=cfg.attn_softcap)
-    else:
-        keys = jnp.concatenate([k_LBWGK[l].astype(q_BTHK.dtype), k_BTGK], axis=1)
-        values = jnp.concatenate([v_LBWGK[l].astype(q_BTHK.dtype), v_BTGK], axis=1)
-        o_BTHK = attention(q_BTHK, keys, values, ctx.ring.mask_BTS, cfg.attn_softcap)
-    b_B1 = jnp.arange(h_BTD.shape[0])[:, None]
-    k_LBWGK = k_LBWGK.at[l, b_B1, ctx.ring.slots_BT].set(k_BTGK.astype(k_LBWGK.dtype), mode="drop")
-    v_LBWGK = v_LBWGK.at[l, b_B1, ctx.ring.slots_BT].set(v_BTGK.astype(v_LBWGK.dtype), mode="drop")
-    return _residual(h_BTD, o_BTHK, layer, cfg), k_LBWGK, v_LBWGK
+def decode_branch(h_BTD, layer, cfg, ctx, view, kind: str):
+    """The branch on new positions only (M20 §14): Q̃/K̃/𝖵 of the new positions, then the cache ``view`` (decode's:
+    a contiguous cache, a ring, pages) writes the new K̃/𝖵 and lets each new query read what it holds. Returns
+    (Z, the updated view)."""
+    q_BTHK, k_BTGK, v_BTGK = _qkv(h_BTD, layer, cfg, ctx, cfg.window(kind) is not None)
+    o_BTHK, view = view.attend(q_BTHK, k_BTGK, v_BTGK, cap=cfg.attn_softcap)
+    return _residual(h_BTD, o_BTHK, layer, cfg), view

@@ -30,6 +30,7 @@ run in at least float32 whatever the compute dtype.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -40,6 +41,7 @@ from mlx_llm.kernels import backend_platform
 from mlx_llm.kernels.ssm_scan import chunked_scan, resolve_ssm_scan
 from mlx_llm.layers import initializers, layout
 from mlx_llm.layers.norm import norm
+from mlx_llm.layers.state_spec import SlotSpec
 from mlx_llm.ops import dense
 
 DT_MIN, DT_MAX = 1e-3, 1e-1  # Δ at initialisation is log-uniform in [DT_MIN, DT_MAX] (Gu & Dao 2023, §3.6)
@@ -378,3 +380,16 @@ def advance(h_BTD, layer, cfg, conv_BWI, ssm_BIN, n_new_B):
     window_idx = n_B[:, None] + jnp.arange(w1)[None, :]  # x_full index j holds the input of position j − (W−1)
     conv_new = jnp.take_along_axis(x_full, window_idx[:, :, None], axis=1)
     return out_BTD, conv_new, ssm_new
+
+
+def state_spec(cfg, kind: str) -> SlotSpec:
+    """What a cached call carries for a Mamba layer: ``init_state``'s conv window and SSM state per sequence."""
+    return SlotSpec(init=functools.partial(init_state, cfg))
+
+
+def decode_branch(h_BTD, layer, cfg, ctx, view, kind: str):
+    """``advance`` from the state the decode ``view`` holds for this layer; the new state goes back through it.
+    Returns (H', the updated view)."""
+    conv_BWI, ssm_BIN = view.read()
+    h_BTD, conv_BWI, ssm_BIN = advance(h_BTD, layer, cfg, conv_BWI, ssm_BIN, view.n_new_B)
+    return h_BTD, view.write(conv_BWI, ssm_BIN)
