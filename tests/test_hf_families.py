@@ -10,6 +10,7 @@ model fine-tunes, samples and exports through the CLI, and what has no equivalen
 import dataclasses
 import json
 import os
+import re
 import shutil
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -23,7 +24,7 @@ from mlx_llm import ModelConfig, forward, generate, init_params
 from mlx_llm.errors import CheckpointError, ConfigError
 from mlx_llm.interop import export_model, export_run, import_hf, load_hf
 from mlx_llm.data import tokenizer as tok_lib
-from helpers import cli_in_process
+from helpers import cli_in_process, snapshot
 from test_hf_interop import CORPUS, LOGIT_TOL, _retensor, assert_same_params, hf_logits  # noqa: F401
 
 pytestmark = pytest.mark.slow  # torch + transformers
@@ -223,6 +224,40 @@ def test_unsupported_features_refused_by_name(exported, tmp_path, arch, changes,
     with pytest.raises(ConfigError):
         import_hf(src, tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("arch, changes, message", [
+    ("gemma2", {"layer_types": []}, r"layer_types \[\] is invalid: one of \['full_attention', 'sliding_attention'\] "
+                                    r"per layer \(2 layers\)"),
+    ("qwen2", {"layer_types": []}, r"layer_types \[\] is invalid"),
+    ("gemma2", {"head_dim": 0}, r"head_dim = 0 is invalid: it must be a positive integer"),
+    ("gemma3", {"num_key_value_heads": 0}, r"num_key_value_heads = 0 is invalid: it must be a positive integer"),
+    ("gemma2", {"query_pre_attn_scalar": 1e30}, r"query_pre_attn_scalar = 1e\+30 is invalid: it must be an integer "
+                                                r"from 1 to 16,777,216"),
+    ("gemma3", {"query_pre_attn_scalar": 0}, r"query_pre_attn_scalar = 0 is invalid"),
+    ("gemma2", {"query_pre_attn_scalar": 12.5}, r"query_pre_attn_scalar = 12.5 is invalid"),
+])
+def test_values_a_fallback_would_replace_are_refused_naming_the_field(exported, tmp_path, arch, changes, message):
+    """``layer_types: []``, ``head_dim: 0`` and ``num_key_value_heads: 0`` fell back to the class defaults (``x or
+    default``) and ``query_pre_attn_scalar: 1e30`` was taken as a score scale: each imported silently. Each is
+    refused in one line naming the field; nothing is written and the source is unchanged."""
+    src = _edit_config(exported[arch][2], tmp_path / "src", **changes)
+    before = snapshot(src)
+    proc = cli_in_process("import", "--from", src, "--out", tmp_path / "run")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("mlx-llm import: error: ") and re.search(message, proc.stderr), proc.stderr
+    assert snapshot(src) == before and not (tmp_path / "run").exists()
+
+
+def test_gemma_fields_absent_or_null_take_the_class_defaults(exported, tmp_path):
+    """What is refused above is a value, not an absence: a missing or null layer_types / head_dim /
+    num_key_value_heads still takes transformers' default."""
+    from mlx_llm.interop import hf_config
+
+    src = _edit_config(exported["gemma2"][2], tmp_path / "src", layer_types=None, head_dim=None,
+                       num_key_value_heads=None)
+    cfg = hf_config.from_hf(json.loads((src / "config.json").read_text()), "gemma2", "config.json")
+    assert (cfg.mixer_pattern, cfg.d_head, cfg.n_kv_heads) == (("local", "attn"), 32 // 4, 4)
 
 
 def test_layer_types_become_the_mixer_pattern(exported, tmp_path):

@@ -5,6 +5,7 @@ Needs the ``hf`` extra (torch, transformers). Tiny float32 models; no network (H
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from mlx_llm.runs.load import load_params
 from mlx_llm.runs.record import BaseRef, RunRecord, open_run, write_run
 from mlx_llm.train.checkpoint import Checkpoints
 from mlx_llm.train.step import init_state, optimizer_for
-from helpers import cli_in_process
+from helpers import cli_in_process, snapshot
 
 pytestmark = pytest.mark.slow  # torch + transformers, and a tiny run per architecture
 
@@ -434,6 +435,30 @@ def test_an_export_records_no_local_absolute_path(exported, tmp_path):
     assert (single["name"], single["tokenizer"], single["val_percent"]) == ("corpus", "tokenizer.json", 10.0)
     mixture = json.loads((tmp_path / "hf_mixture" / "config.json").read_text())["mlx_llm"]["provenance"]["data"]
     assert mixture["sources"] == ["code=code:1.0", "prose=prose:3.0"] and "name" not in mixture
+
+
+def test_float64_weights_beyond_float32_are_refused_as_not_fitting(exported, tmp_path):
+    """A float64 tensor that is finite in the file but overflows float32 (import's dtype) was called "non-finite …
+    damaged"; it is refused saying what it is: the tensor, its largest |value|, the dtype it does not fit. NaN in
+    the file is still damage. One line, nothing written, the source unchanged."""
+    name = "model.layers.0.self_attn.q_proj.weight"
+
+    def wide(t, value):
+        t.update({k: v.astype(np.float64) for k, v in t.items()})
+        t[name][3, 5] = value
+
+    cases = [(1e39, rf"tensor '{name}' \(float64\) holds values up to \|x\| = 1e\+39, which do not fit float32 "
+                    rf"\(the dtype import reads weights as; its largest is 3.403e\+38\): nothing was imported$"),
+             (-np.inf, rf"tensor '{name}' holds 1 non-finite value\(s\) \(NaN or ±inf\): the checkpoint is damaged")]
+    for k, (value, message) in enumerate(cases):
+        src = _retensor(exported["llama"][3], tmp_path / f"src{k}", lambda t: wide(t, value))
+        before = snapshot(src)
+        proc = cli_in_process("import", "--from", src, "--out", tmp_path / "run")
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert re.search(message, proc.stderr.strip()), proc.stderr
+        assert snapshot(src) == before and not (tmp_path / "run").exists()
+    fits = _retensor(exported["llama"][3], tmp_path / "fits", lambda t: wide(t, 3e38))  # within float32: imports
+    assert load_hf(fits).params["blocks"]["wq"].reshape(-1).max() == np.float32(3e38)
 
 
 # ----- the CLI ------------------------------------------------------------------------------------------------

@@ -363,20 +363,21 @@ def _attention_arch_from_hf(hf: dict, arch: str, source: str) -> dict:
     if arch in (QWEN3, QWEN3_MOE) + GEMMA_ARCHS:
         _require(hf, source, "attention_bias", [False], False)
     eps, theta, max_len = _DEFAULTS[arch]
-    heads = hf.get("num_attention_heads")
+    heads = _positive_int(hf, source, "num_attention_heads")
     if heads is None:
         raise ConfigError(f"{source}: num_attention_heads is missing")
     gemma = arch in GEMMA_ARCHS
     act = ("hidden_activation", ["gelu_pytorch_tanh"]) if gemma else ("hidden_act", ["silu", "swish"])
     rope = _gemma3_rope_from_hf(hf, source) if arch == GEMMA3 else _rope_from_hf(hf, source, theta)
+    kv_heads, head_dim = (_positive_int(hf, source, key) for key in ("num_key_value_heads", "head_dim"))
     out = {**_common_from_hf(hf, source, tie_default=gemma, act=act), "n_heads": heads,
-           "n_kv_heads": hf.get("num_key_value_heads") or heads,
-           "d_head": hf.get("head_dim") or hf["hidden_size"] // heads, "norm_eps": hf.get("rms_norm_eps", eps),
-           "max_seq_len": hf.get("max_position_embeddings", max_len), **rope}
+           "n_kv_heads": heads if kv_heads is None else kv_heads,
+           "d_head": hf["hidden_size"] // heads if head_dim is None else head_dim,
+           "norm_eps": hf.get("rms_norm_eps", eps), "max_seq_len": hf.get("max_position_embeddings", max_len), **rope}
     out |= _windows_from_hf(hf, arch, source, out["n_layers"], out["max_seq_len"])
     if gemma:
         _require(hf, source, "use_bidirectional_attention", [False, None], False)
-        qpas = hf.get("query_pre_attn_scalar", 256)
+        qpas = _score_dim(hf, source)
         caps = {k: hf.get(k, default) for k, default in zip(("attn_logit_softcapping", "final_logit_softcapping"),
                                                            _GEMMA_CAPS[arch])}
         return {**out, "d_ff": hf.get("intermediate_size"), "score_dim": None if qpas == out["d_head"] else qpas,
@@ -392,6 +393,32 @@ def _attention_arch_from_hf(hf: dict, arch: str, source: str) -> dict:
         return {**out, "n_experts": experts, "moe_top_k": hf.get("num_experts_per_tok", 8),
                 "moe_d_ff": hf.get("moe_intermediate_size", 768)}
     return {**out, "d_ff": hf.get("intermediate_size")}
+
+
+def _positive_int(hf: dict, source: str, key: str) -> int | None:
+    """``hf[key]`` when it is a positive integer, None when absent or null (the class default applies); anything
+    else (0 included, which a fallback would silently replace) is refused naming the key."""
+    value = hf.get(key)
+    if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        raise ConfigError(f"{source}: {key} = {value!r} is invalid: it must be a positive integer (or absent)")
+    return value
+
+
+MAX_SCORE_DIM = 1 << 24  # the integers float32 holds exactly
+
+
+def _score_dim(hf: dict, source: str) -> int:
+    """Gemma's ``query_pre_attn_scalar`` s (scores scaled by 1/√s; the class default 256): an integer in
+    [1, 2²⁴], the range in which float32 holds every integer exactly. Gemma's own are the head width or
+    d_model / heads (256, 144, 168); a value such as 1e30 is no trained model's and would scale every score to
+    almost nothing (uniform attention)."""
+    value = hf.get("query_pre_attn_scalar", 256)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not (ok and float(value).is_integer() and 1 <= value <= MAX_SCORE_DIM):
+        raise ConfigError(f"{source}: query_pre_attn_scalar = {value!r} is invalid: it must be an integer from 1 to "
+                          f"{MAX_SCORE_DIM:,} (Gemma's is the head width or hidden_size / num_attention_heads, "
+                          f"e.g. 256 or 144)")
+    return int(value)
 
 
 def _rope_from_hf(hf: dict, source: str, theta_default: float) -> dict:
@@ -460,15 +487,17 @@ def _windows_from_hf(hf: dict, arch: str, source: str, n_layers: int, max_len: i
         return {"mixer_pattern": ("local",), "sliding_window": window} if local else {"mixer_pattern": ("attn",)}
     if arch in GEMMA_ARCHS:  # Gemma 2 alternates from a local layer 0; Gemma 3 has 5 local to 1 global
         every = 2 if arch == GEMMA2 else hf.get("sliding_window_pattern", 6)
-        types = hf.get("layer_types") or ["sliding_attention" if (l + 1) % every else "full_attention"
-                                          for l in range(n_layers)]
+        types = hf.get("layer_types")
+        if types is None:  # absent or null: the class default (an empty list is not absent, and is refused)
+            types = ["sliding_attention" if (l + 1) % every else "full_attention" for l in range(n_layers)]
     else:
-        window = window if hf.get("use_sliding_window", False) or hf.get("layer_types") else None
-        types = hf.get("layer_types") or [
-            "sliding_attention" if window is not None and l >= hf.get("max_window_layers", n_layers)
-            else "full_attention" for l in range(n_layers)]
+        types = hf.get("layer_types")
+        window = window if hf.get("use_sliding_window", False) or types is not None else None
+        if types is None:
+            types = ["sliding_attention" if window is not None and l >= hf.get("max_window_layers", n_layers)
+                     else "full_attention" for l in range(n_layers)]
     known = {"full_attention": "attn", "sliding_attention": "local"}
-    if len(types) != n_layers or any(t not in known for t in types):
+    if not isinstance(types, list) or len(types) != n_layers or any(t not in known for t in types):
         raise ConfigError(f"{source}: layer_types {types!r} is invalid: one of {sorted(known)} per layer "
                           f"({n_layers} layers)")
     kinds = [known[t] for t in types]

@@ -146,8 +146,8 @@ class Reader:
 
     def take(self, name: str, shape: tuple) -> np.ndarray:
         """The tensor ``name`` of ``shape`` as float32: only the floating dtypes of ``FLOAT_DTYPES`` are read (a
-        float32 copy, exact but for float64's rounding), and every value must be finite; anything else is refused
-        by name."""
+        float32 copy, exact but for float64's rounding), and every value must be finite, in the file and as float32
+        (float64 beyond float32's range does not fit); anything else is refused by name."""
         if name not in self.tensors:
             raise CheckpointError(f"{self.source}: tensor {name!r} is missing (expected shape {shape})")
         value = self.tensors[name]
@@ -158,13 +158,25 @@ class Reader:
             raise CheckpointError(f"{self.source}: tensor {name!r} is {np.dtype(value.dtype).name}, not a floating "
                                   f"type: weights are read from {sorted(FLOAT_DTYPES)} only (quantized or integer "
                                   f"checkpoints are not imported)")
-        out = np.asarray(value).astype(self.dtype, copy=False)
-        bad = int(np.size(out) - np.count_nonzero(np.isfinite(out)))
+        with np.errstate(over="ignore"):  # an overflow is found (and refused) just below
+            out = np.asarray(value).astype(self.dtype, copy=False)
+        if np.count_nonzero(np.isfinite(out)) != np.size(out):
+            self._refuse_non_finite(name, np.asarray(value))
+        self.taken.add(name)
+        return out
+
+    def _refuse_non_finite(self, name: str, value: np.ndarray):
+        """The refusal of a tensor that is not finite as read: NaN or ±inf in the file (damaged), or finite values
+        (float64's) beyond the range of the dtype import reads weights as (they do not fit it)."""
+        bad = int(np.size(value) - np.count_nonzero(np.isfinite(value)))
         if bad:
             raise CheckpointError(f"{self.source}: tensor {name!r} holds {bad:,} non-finite value(s) (NaN or ±inf): "
                                   f"the checkpoint is damaged; nothing was imported")
-        self.taken.add(name)
-        return out
+        dtype = np.dtype(self.dtype)
+        raise CheckpointError(f"{self.source}: tensor {name!r} ({value.dtype.name}) holds values up to |x| = "
+                              f"{float(np.max(np.abs(value))):.4g}, which do not fit {dtype.name} (the dtype import "
+                              f"reads weights as; its largest is {float(np.finfo(dtype).max):.4g}): nothing was "
+                              f"imported")
 
     def linear(self, name: str, d_in: int, d_out: int) -> np.ndarray:
         """nn.Linear weight (out, in) → our (in, out)."""
