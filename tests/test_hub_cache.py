@@ -68,6 +68,7 @@ def continuation(run: Path) -> list[int]:
     return json.loads(proc.stdout)["continuation_ids"]
 
 
+@pytest.mark.slow  # two imports and two decodes through the CLI (about 7 s on 2 cores)
 def test_a_hub_snapshot_imports_and_decodes_like_a_plain_copy(plain, tmp_path):
     from mlx_llm.runs.load import load_params
 
