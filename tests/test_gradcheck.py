@@ -143,3 +143,146 @@ def test_leaf_paths_and_an_empty_report():
     assert leaf_paths(PARAMS) == ["b/bias", "count", "gains/0", "gains/1", "w"]
     report = GradReport({}, 1.0, U, {})
     assert report.ok and report.max_rel() == 0.0
+
+
+# ----- issue 51: the checker keeps its promise -------------------------------------------------------------------
+W8 = {"w": np.linspace(0.1, 1, 8)}
+U32 = float(np.finfo(np.float32).eps)
+
+
+def test_a_float32_function_is_checked_to_float32s_digits():
+    """The issue's example: ε_f was measured with float64 ulps that never move a float32 input (FAILED, relative
+    error 4e-3 against a tolerance of 1e-9)."""
+    report = check_grads(lambda p: jnp.mean(p["w"].astype(jnp.float32) ** 2), W8)
+    report.assert_ok()
+    assert report.precision == "float32" and "(float32 arithmetic): ok" in str(report)
+    assert U32 * (1 + abs(report.value)) <= report.noise < 1e3 * U32 * (1 + abs(report.value))
+    comp = report.leaves["w"][AUTODIFF_VS_CENTRAL]
+    assert comp.max_rel < 1e-4 and comp.tol < 1e-2  # float32's digits, not float64's, and not none
+    assert check_grads(lambda p: jnp.mean(p["w"] ** 2), W8).precision == "float64"
+
+
+def _float32_square(rel: float):
+    """Σ x² computed in float32 by a custom_vjp whose backward is wrong by ``rel`` in element 2."""
+    @jax.custom_vjp
+    def f(x):
+        return jnp.sum(x**2)
+
+    f.defvjp(lambda x: (f(x), x), lambda x, g: ((g * 2 * x).at[2].multiply(1 + rel),))
+    return lambda p: f(p["w"].astype(jnp.float32))
+
+
+def test_a_wrong_float32_gradient_still_fails():
+    check_grads(_float32_square(0.0), W8).assert_ok()
+    report = check_grads(_float32_square(1e-2), W8)
+    assert report.precision == "float32" and not report.ok
+    assert report.worst()[:2] == ("w", AUTODIFF_VS_CENTRAL)
+    assert report.leaves["w"][AUTODIFF_VS_CENTRAL].worst_index == (2,)
+    f32 = lambda p: jnp.mean(p["w"].astype(jnp.float32) ** 2)  # noqa: E731
+    wrong = check_grads(f32, W8, analytic=lambda p: {"w": (2 * p["w"] / 8).at[5].multiply(1 + 1e-3)})
+    assert not wrong.ok and wrong.worst()[:2] == ("w", ANALYTIC_VS_AUTODIFF)
+    assert wrong.leaves["w"][ANALYTIC_VS_AUTODIFF].worst_index == (5,)
+
+
+def test_a_bfloat16_function_passes_at_bfloat16s_precision_and_a_gross_error_fails():
+    f16 = lambda p: jnp.mean(p["w"].astype(jnp.bfloat16) ** 2)  # noqa: E731
+    report = check_grads(f16, W8, analytic=lambda p: {"w": 2 * p["w"] / 8})
+    report.assert_ok()
+    assert report.precision == "bfloat16" and "(bfloat16 arithmetic)" in str(report)
+    assert report.noise >= float(jnp.finfo(jnp.bfloat16).eps) * (1 + abs(report.value))
+    # docs/gradients.md: the differences keep under one digit here, the analytic comparison about 5 %
+    assert 1 < report.leaves["w"][AUTODIFF_VS_CENTRAL].tol < 2
+    assert 0.02 < report.leaves["w"][ANALYTIC_VS_AUTODIFF].tol < 0.1
+    wrong = check_grads(f16, W8, analytic=lambda p: {"w": (2 * p["w"] / 8).at[6].multiply(1.5)})
+    assert not wrong.ok and wrong.leaves["w"][ANALYTIC_VS_AUTODIFF].worst_index == (6,)
+
+
+def test_the_precision_is_read_through_calls_and_loops_and_only_from_theta():
+    x = np.linspace(-1, 1, 8)
+
+    def scanned(p):  # the float32 arithmetic is inside a jitted function inside a scan
+        step = jax.jit(lambda c, w: (c + jnp.sin(w.astype(jnp.float32)).astype(jnp.float64), None))
+        return jax.lax.scan(step, 0.0, p["w"])[0]
+
+    assert check_grads(scanned, W8).precision == "float32"
+    # float32 arithmetic on an argument only (no θ in it) leaves the check in float64
+    report = check_grads(lambda p, x: jnp.sum(p["w"] * jnp.cos(x.astype(jnp.float32)).astype(jnp.float64)), W8, x)
+    assert report.precision == "float64" and report.noise < 1e-12
+
+
+@pytest.mark.parametrize("centre", [0.0, 0.25])
+def test_the_kink_rule_holds_for_abs_at_and_near_its_kink(centre):
+    """JAX takes |x|'s derivative at 0 as +1, the differences see 0 (it FAILED: error 1 against a tolerance of
+    1e-9); at every offset within ±2h of the kink the tolerance widens by the third differences, with a margin of
+    two, and away from it a wrong derivative still fails."""
+    at_kink = check_grads(lambda p: jnp.sum(jnp.abs(p["x"] - centre)), {"x": centre + np.array([0.0, 1.0, -2.0])})
+    at_kink.assert_ok()
+    assert at_kink.leaves["x"][AUTODIFF_VS_CENTRAL].max_abs == pytest.approx(1.0)  # judged, not skipped
+    h = 1e-3
+    offsets = np.array([0.0, 0.05, 0.3, 0.5, 2 / 3, 0.9, 1.0, 1.3, 1.7, 1.99, -0.5, -1.5, 3.0, -4.0])
+    near = check_grads(lambda p: jnp.sum(jnp.abs(p["x"] - centre)), {"x": centre + offsets * h}, eps=h)
+    assert near.ok and near.leaves["x"][AUTODIFF_VS_CENTRAL].severity <= 0.5 + 1e-6
+
+    @jax.custom_vjp
+    def double(x):  # |x| with twice its derivative
+        return jnp.abs(x)
+
+    double.defvjp(lambda x: (jnp.abs(x), x), lambda x, g: (2 * g * jnp.sign(x),))
+    wrong = check_grads(lambda p: jnp.sum(double(p["x"] - centre)), {"x": centre + offsets * h}, eps=h)
+    comp = wrong.leaves["x"][AUTODIFF_VS_CENTRAL]
+    assert not comp.ok and comp.worst_index in {(12,), (13,)}  # the two offsets beyond 2h
+
+
+def test_worst_ranks_a_nan_first():
+    """A NaN error was never the max (NaN compares false), so worst() named a passing or lesser leaf."""
+    def f(p):
+        return jnp.sum(jnp.sqrt(p["a"])) + jnp.sum(p["b"] ** 2)
+
+    def hand(p):
+        return {"a": 0.5 / jnp.sqrt(p["a"]), "b": (2 * p["b"]).at[1].multiply(1.01)}
+
+    report = check_grads(f, {"a": np.array([0.0, 1.0]), "b": np.array([1.0, 2.0, 3.0])}, analytic=hand)
+    assert not report.ok and report.worst()[0] == "a" and math.isnan(report.worst()[2])
+    assert not report.leaves["b"][ANALYTIC_VS_AUTODIFF].ok  # still measured against b's own scale
+    assert report.leaves["b"][ANALYTIC_VS_AUTODIFF].max_rel == pytest.approx(0.01 * 4 / 6, rel=1e-6)
+    assert math.isnan(report.max_rel(AUTODIFF_VS_CENTRAL))
+    assert all(not c.ok for c in report.leaves["a"].values())
+
+
+def test_a_tree_with_nothing_to_check_is_refused():
+    square = lambda p: jnp.sum(jnp.asarray(p["x"], float) ** 2)  # noqa: E731
+    with pytest.raises(InputError, match=r"params hold no floating element to check \(its leaves: \['x: int"):
+        check_grads(square, {"x": np.arange(3)})
+    with pytest.raises(InputError, match="its leaves: none"):
+        check_grads(lambda p: 0.0, {})
+    with pytest.raises(InputError, match="the leaves under 'e' hold no floating element"):
+        check_grads(lambda p: jnp.sum(p["w"] ** 2), {"w": np.ones(2), "e": np.zeros((0, 3))}, leaves="e")
+    with pytest.raises(InputError, match="central=False without analytic compares nothing"):
+        check_grads(loss, PARAMS, X, central=False)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"seed": "a"}, "seed = 'a' is invalid: it must be a non-negative integer"),
+    ({"seed": -1}, "seed = -1 is invalid"),
+    ({"seed": True}, "seed = True is invalid"),
+    ({"leaves": 3}, "leaves = 3 is invalid: it must be None"),
+    ({"leaves": []}, r"leaves = \[\] is invalid"),
+    ({"leaves": ["w", 0]}, r"leaves = \['w', 0\] is invalid"),
+    ({"central": "no"}, "central = 'no' is invalid: it must be True or False"),
+    ({"eps": True}, "eps = True is invalid"),
+    ({"analytic": 3}, "analytic = 3 is invalid: it must be None or a function"),
+], ids=lambda v: str(v)[:20])
+def test_every_bad_argument_is_an_input_error_naming_it(kwargs, message):
+    with pytest.raises(InputError, match=message):
+        check_grads(loss, PARAMS, X, **kwargs)
+
+
+@pytest.mark.parametrize("f, message", [
+    (lambda p, x: (loss(p, x), 1.0), "f must return one scalar array; it returned a tuple"),
+    (lambda p, x: {"loss": loss(p, x)}, "f must return one scalar array; it returned a dict"),
+    (lambda p, x: jnp.sum(p["count"]), "f must return a floating scalar; it returned dtype int"),
+    ("loss", "f = 'loss' is invalid: it must be a function"),
+], ids=["tuple", "dict", "integer", "not callable"])
+def test_an_f_that_returns_anything_but_a_floating_scalar_is_refused(f, message):
+    with pytest.raises(InputError, match=message):
+        check_grads(f, PARAMS, X)
