@@ -6,9 +6,10 @@ function itself does.
 ``AssertionError`` with the report's table (for pytest). The step of the central differences and the tolerances
 come from the function's own round-off, measured at θ, so a user never picks them by hand:
 
-* Working precision: the least precise floating type among the values f computes from θ, its result included (read
-  from its traced program): float64, or float32 for an f that casts θ to float32, bfloat16 for one that casts to
-  bfloat16. u is its machine epsilon (2⁻⁵², 2⁻²³, 2⁻⁷); the report names the type. f₀ = f(θ).
+* Working precision: the least precise floating type among f's result and the values on its differentiable paths
+  from θ, read from the cotangents its traced backward pass computes (an integer index, a stop_gradient or a
+  statistic beside the result does not count): float64, or float32 for an f that casts θ to float32, bfloat16 for
+  one that casts to bfloat16. u is its machine epsilon (2⁻⁵², 2⁻²³, 2⁻⁷); the report names it. f₀ = f(θ).
 * Round-off of f: ε_f = max(u·(1 + |f₀|), max_k |f(θ ⊙ (1 + ξ_k)) − f₀|), with 16 evaluations at θ moved by a few
   units in the last place (ξ_k uniform in ±4u per element, taken ±1 and ±2 times). It holds both the rounding of
   f's own arithmetic and the rounding of θ itself, which a step θ ± h·v suffers too. Relative: ε_r = ε_f/(1 + |f₀|).

@@ -209,6 +209,13 @@ def test_the_precision_is_read_through_calls_and_loops_and_only_from_theta():
     report = check_grads(lambda p, x: jnp.sum(p["w"] * jnp.cos(x.astype(jnp.float32)).astype(jnp.float64)), W8, x)
     assert report.precision == "float64" and report.noise < 1e-12
 
+    def beside(p):  # float32 from θ that reaches the result only through an index and a stop_gradient
+        w32 = p["w"].astype(jnp.float32)
+        picked = p["w"][jnp.argmax(w32)]
+        return jnp.sum(p["w"] ** 2) + picked + jax.lax.stop_gradient(jnp.sum(w32)).astype(jnp.float64)
+
+    assert check_grads(beside, W8).precision == "float64"
+
 
 @pytest.mark.parametrize("centre", [0.0, 0.25])
 def test_the_kink_rule_holds_for_abs_at_and_near_its_kink(centre):
