@@ -65,6 +65,13 @@ then a short table. Each part's record: status (ok / failed / skipped), reason, 
 summary and its result; a failed part also keeps the last lines of its output. The docs' measurements page
 fills its "Accelerator (device check)" table from this file: ``--markdown FILE`` prints it (docs/accelerator.md).
 
+Flags are checked before anything runs or is written: ``--only`` naming no part or an unknown one, a ``--budget``
+that is not a positive number of seconds, a ``--time-limit`` that is not PART=SECONDS with SECONDS > 0, an ``--out``
+that cannot be made a writable directory, or a ``--markdown`` file that is not a results file of this script is
+refused in one line (``device_check: error: ...``), exit status 2. Ctrl-C (SIGINT) kills the running part's process
+group, writes the results so far with ``"complete": false`` and ``"interrupted"`` saying where, the part cut short
+recorded as failed, and exits 130.
+
 Test hook: ``MLX_LLM_DEVICE_CHECK_FAULT="PART:MODE,..."`` makes a child fail on purpose before it imports jax,
 MODE = raise (an exception), crash (exit 3 without a result), hang (sleep until killed) or skip.
 """
@@ -75,6 +82,7 @@ import argparse
 import collections
 import contextlib
 import json
+import math
 import os
 import re
 import signal
@@ -99,6 +107,19 @@ BUDGET = 470.0  # the full run's seconds: under 8 minutes, with the parent's own
 MIN_START = 20.0  # a part is not started with less time than this left in the budget
 FAULT_ENV = "MLX_LLM_DEVICE_CHECK_FAULT"
 TAIL_LINES = 30
+INTERRUPTED = 130  # the exit status of a run stopped by SIGINT (128 + 2, as a shell reports it)
+
+
+class BadFlag(SystemExit):
+    """A flag refused before anything runs: ``main`` prints it as one line and exits with status 2 (argparse's
+    status for a usage error); the message is ``str()`` of it."""
+
+    def __init__(self, message: str):
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
 
 
 def parse_args(argv=None):
@@ -119,12 +140,15 @@ def parse_args(argv=None):
 
 
 def selected(only: str | None) -> list[str]:
-    if not only:
+    if only is None:
         return list(PARTS)
     names = [n.strip() for n in only.split(",") if n.strip()]
+    if not names:
+        raise BadFlag(f"--only {only!r} names no part: give one or more of {list(PARTS)} or {list(GROUPS)}, "
+                      f"comma-separated")
     unknown = [n for n in names if n not in PARTS and n not in GROUPS]
     if unknown:
-        raise SystemExit(f"unknown part(s) {unknown}: valid parts are {list(PARTS)} and {list(GROUPS)}")
+        raise BadFlag(f"--only: unknown part(s) {unknown}: valid parts are {list(PARTS)} and {list(GROUPS)}")
     wanted = {p for n in names for p in GROUPS.get(n, (n,))}
     return [p for p in PARTS if p in wanted]
 
@@ -133,10 +157,52 @@ def limits(args) -> dict:
     out = {p: QUICK_LIMIT if args.quick else LIMITS[p] for p in PARTS}
     for item in args.time_limit:
         name, _, seconds = item.partition("=")
-        if name not in PARTS or not re.fullmatch(r"\d+(\.\d+)?", seconds):
-            raise SystemExit(f"--time-limit {item!r}: give PART=SECONDS with PART one of {list(PARTS)}")
+        if name not in PARTS or not re.fullmatch(r"\d+(\.\d+)?", seconds) or float(seconds) <= 0:
+            raise BadFlag(f"--time-limit {item!r}: give PART=SECONDS with PART one of {list(PARTS)} and SECONDS > 0")
         out[name] = float(seconds)
     return out
+
+
+def unwritable(directory: Path) -> str | None:
+    """Why ``directory`` cannot be made a writable directory, or None; creates nothing (the nearest existing
+    ancestor must be a directory this process may write into)."""
+    probe = directory.absolute()
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{probe} is not a directory"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{probe} is not writable"
+    return None
+
+
+def checked(args) -> tuple[list[str], dict]:
+    """The parts to run and their limits, after every flag of a run is checked (``BadFlag`` otherwise); fills in
+    the defaults of ``--out`` and ``--budget``. Nothing is written."""
+    parts, part_limits = selected(args.only), limits(args)
+    if args.budget is not None and not (math.isfinite(args.budget) and args.budget > 0):
+        raise BadFlag(f"--budget {args.budget:g}: give the run's seconds, a positive number (default {BUDGET:g})")
+    args.out = args.out or (Path(tempfile.gettempdir()) / "mlx_llm_device_check" if args.quick else common.RESULTS)
+    why = unwritable(args.out)
+    if why:
+        raise BadFlag(f"--out {args.out}: cannot write the results there: {why}")
+    args.budget = args.budget if args.budget is not None else (None if args.quick else BUDGET)
+    return parts, part_limits
+
+
+def read_results(path: Path) -> dict:
+    """A results file for ``--markdown``, or ``BadFlag`` saying why it is not one (its table is built here, so a
+    file with missing fields is refused rather than half printed)."""
+    try:
+        data = json.loads(path.read_text())
+        markdown(data)
+    except OSError as exc:
+        raise BadFlag(f"--markdown {path}: cannot read it: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise BadFlag(f"--markdown {path}: not JSON: {exc}") from None
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise BadFlag(f"--markdown {path}: not a device check results file ({type(exc).__name__}: {exc})") from None
+    return data
 
 
 # ----- the child ----------------------------------------------------------------------------------------------
@@ -218,6 +284,11 @@ def run_part(part: str, args, earlier: dict, limit: float, work: Path) -> dict:
         with contextlib.suppress(ProcessLookupError):  # it may have ended in between
             os.killpg(proc.pid, signal.SIGKILL)  # the child's own group: it and whatever it started
         code, timed_out = proc.wait(), True
+    except KeyboardInterrupt:  # the child is in a session of its own, so Ctrl-C reached only the parent
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
     pump.join(timeout=10)
     record = {"status": "failed", "reason": None, "result": None, "devices": None}
     if not timed_out and out.exists():
@@ -269,10 +340,12 @@ def markdown(data: dict) -> str:
 NO_DEVICES = {"platform": None, "kind": "unknown", "count": None}  # no child reached a backend
 
 
-def save(records: dict, args, devices: dict | None, complete: bool) -> Path:
-    """Write the results so far; the devices are the children's (the parent never starts a backend)."""
+def save(records: dict, args, devices: dict | None, complete: bool, interrupted: str | None = None) -> Path:
+    """Write the results so far; the devices are the children's (the parent never starts a backend).
+    ``interrupted`` says where a run stopped by SIGINT stopped (null otherwise)."""
     devices = devices or NO_DEVICES
-    payload = {"quick": args.quick, "complete": complete, "parts": records, "order": list(records),
+    payload = {"quick": args.quick, "complete": complete, "interrupted": interrupted, "parts": records,
+               "order": list(records),
                "budget_seconds": args.budget, "estimate_seconds": None if args.quick else ESTIMATES,
                "table": table(records).splitlines()}
     return common.save_result(kind_name(devices, args.quick), payload, args.out, device_info=devices)
@@ -282,14 +355,30 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.part:
         return run_child(args)
-    if args.markdown:
-        print(markdown(json.loads(args.markdown.read_text())))
-        return 0
-    parts, part_limits = selected(args.only), limits(args)
-    args.out = args.out or (Path(tempfile.gettempdir()) / "mlx_llm_device_check" if args.quick else common.RESULTS)
-    args.budget = args.budget if args.budget is not None else (None if args.quick else BUDGET)
+    try:
+        if args.markdown:
+            print(markdown(read_results(args.markdown)))
+            return 0
+        parts, part_limits = checked(args)
+    except BadFlag as exc:
+        print(f"device_check: error: {exc}", file=sys.stderr)
+        return 2
     print("$ " + common.command_line(), flush=True)
-    records, earlier, devices, start = {}, {}, None, time.perf_counter()
+    records, progress = {}, {"part": None, "start": time.perf_counter(), "devices": None}
+    try:
+        run_parts(parts, part_limits, args, records, progress)
+    except KeyboardInterrupt:
+        return interrupted(records, progress, args)
+    path = save(records, args, progress["devices"], complete=True)
+    print("\n" + table(records))
+    print(f"wrote {path}")
+    return 1 if any(r["status"] == "failed" for r in records.values()) else 0
+
+
+def run_parts(parts: list[str], part_limits: dict, args, records: dict, progress: dict) -> None:
+    """Run the parts in order under the budget, each record into ``records`` and the file rewritten after each;
+    ``progress`` says which part is running since when, and the devices the children saw."""
+    earlier, start = {}, time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="device_check_") as tmp:
         for part in parts:
             left = None if args.budget is None else args.budget - (time.perf_counter() - start)
@@ -299,17 +388,30 @@ def main(argv=None) -> int:
                 continue
             limit = part_limits[part] if left is None else min(part_limits[part], left)
             print(f"== {part} (limit {limit:.0f} s)", flush=True)
+            progress.update(part=part, start=time.perf_counter(), limit=limit)
             records[part] = record = run_part(part, args, earlier, limit, Path(tmp))
-            devices = devices or record.get("devices")
+            progress["part"] = None
+            progress["devices"] = progress["devices"] or record.get("devices")
             if record["status"] == "ok":
                 earlier[part] = record["result"]
             print(f"== {part}: {record['status']} in {record['seconds']:.1f} s  {summary_line(record)}", flush=True)
-            if devices:  # the file's name needs the device kind, which only a child knows
-                save(records, args, devices, complete=False)
-    path = save(records, args, devices, complete=True)
-    print("\n" + table(records))
-    print(f"wrote {path}")
-    return 1 if any(r["status"] == "failed" for r in records.values()) else 0
+            if progress["devices"]:  # the file's name needs the device kind, which only a child knows
+                save(records, args, progress["devices"], complete=False)
+
+
+def interrupted(records: dict, progress: dict, args) -> int:
+    """After SIGINT: the part cut short recorded as failed, the results so far written as incomplete; 130."""
+    part, where = progress["part"], "between parts"
+    if part is not None:
+        seconds = time.perf_counter() - progress["start"]
+        records[part] = {"status": "failed", "reason": f"interrupted (SIGINT) after {seconds:.0f} s",
+                         "interrupted": True, "result": None, "devices": None, "seconds": seconds,
+                         "limit_seconds": progress["limit"]}
+        where = f"during {part}"
+    path = save(records, args, progress["devices"], complete=False, interrupted=f"SIGINT {where}")
+    print(f"device_check: interrupted (SIGINT) {where}; wrote the results so far, marked incomplete, to {path}",
+          file=sys.stderr)
+    return INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -4,10 +4,16 @@ reason and the next part still runs; a spent budget skips parts without starting
 
 import json
 import math
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
-from experiments import device_check
+from experiments import common, device_check
+from helpers import snapshot
 
 from conftest import FAST_COMPILE  # the quick run is compile-bound: the session's fast-compile flags, all of them
 
@@ -159,3 +165,84 @@ def test_the_main_job_is_compared_with_the_cpu_run_of_record():
     assert device_parts.differences({"val_bytes": 378_072}, ref, MAIN_JOB_TRAIN) == []
     why = device_parts.differences({"val_bytes": 1000}, ref, MAIN_JOB_TRAIN)
     assert why == ["a different val set: 1000 bytes, not 378072 (another Python's standard library)"]
+
+
+# ----- issue 51: flags checked before running, Ctrl-C ------------------------------------------------------------
+def _bad_markdown(tmp_path, kind):
+    path = tmp_path / "results.json"
+    if kind == "not json":
+        path.write_text("{half")
+    elif kind == "not a results file":
+        path.write_text(json.dumps({"parts": {}}))
+    return path
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--only", ","], "--only ',' names no part"),
+    (["--only", ""], "--only '' names no part"),
+    (["--only", "environment,gpu"], "--only: unknown part(s) ['gpu']"),
+    (["--budget", "-1"], "--budget -1: give the run's seconds, a positive number"),
+    (["--budget", "0"], "--budget 0: give the run's seconds"),
+    (["--budget", "nan"], "--budget nan: give the run's seconds"),
+    (["--time-limit", "moe=0"], "--time-limit 'moe=0': give PART=SECONDS"),
+], ids=["comma", "empty", "unknown", "negative budget", "zero budget", "nan budget", "zero limit"])
+def test_a_bad_flag_is_refused_in_one_line_and_nothing_runs_or_is_written(argv, message, tmp_path, capsys):
+    """``--budget -1`` and ``--only ,`` wrote ``"complete": true`` with nothing measured."""
+    before = snapshot(tmp_path)
+    assert device_check.main(["--quick", "--out", str(tmp_path / "out"), *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"device_check: error: {message}")
+    assert captured.err.count("\n") == 1 and captured.out == ""
+    assert snapshot(tmp_path) == before and not (tmp_path / "out").exists()
+
+
+def test_an_unwritable_out_is_refused_before_running(tmp_path, capsys):
+    """It gave a raw traceback (NotADirectoryError) after the first part had run."""
+    (tmp_path / "file").write_text("x")
+    before = snapshot(tmp_path)
+    assert device_check.main(["--quick", "--only", "moe", "--out", str(tmp_path / "file" / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"device_check: error: --out {tmp_path / 'file' / 'out'}: cannot write the results there: "
+                   f"{tmp_path / 'file'} is not a directory\n")
+    assert snapshot(tmp_path) == before
+    assert device_check.unwritable(tmp_path / "new" / "deeper") is None and not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("kind, message", [("missing", "cannot read it: No such file"), ("not json", "not JSON"),
+                                           ("not a results file", "not a device check results file (KeyError")])
+def test_a_bad_markdown_file_is_refused_in_one_line(kind, message, tmp_path, capsys):
+    path = _bad_markdown(tmp_path, kind)
+    before = snapshot(tmp_path)
+    assert device_check.main(["--markdown", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"device_check: error: --markdown {path}: {message}")
+    assert captured.err.count("\n") == 1 and captured.out == "" and snapshot(tmp_path) == before
+
+
+def test_ctrl_c_kills_the_running_part_and_writes_the_results_marked_incomplete(tmp_path):
+    """SIGINT gave a raw KeyboardInterrupt traceback and left the file saying nothing of the interruption."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", device_check.FAULT_ENV: "environment:skip,moe:hang"}
+    proc = subprocess.Popen([sys.executable, "-m", "experiments.device_check", "--quick", "--only", "environment,moe",
+                             "--out", str(tmp_path)], cwd=common.REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith("== moe (limit"):
+                break
+        time.sleep(0.3)  # the child is started and hanging
+        start = time.perf_counter()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == device_check.INTERRUPTED
+        assert time.perf_counter() - start < 30  # the hanging child was killed, not waited for
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = proc.stderr.read()
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("device_check: interrupted (SIGINT) during moe; wrote the results so far, marked "
+                          "incomplete, to ")
+    data = read(tmp_path, "device_unknown_quick")  # no child reached a backend
+    assert data["complete"] is False and data["interrupted"] == "SIGINT during moe"
+    assert [r["status"] for r in data["parts"].values()] == ["skipped", "failed"]
+    moe = data["parts"]["moe"]
+    assert moe["interrupted"] is True and moe["reason"].startswith("interrupted (SIGINT) after ")
