@@ -53,6 +53,8 @@ def parse_mesh(spec: str) -> dict[str, int]:
 
 INT32_MAX = 2**31 - 1  # token ids, positions and the step counter are int32
 SEED_MAX = 2**63 - 1  # seeds are int64 (JSON, numpy's generators); ops.seed_key gives each its own key
+SOFTCAP_MIN = 1.0  # a soft cap c keeps values in (−c, c): below 1 no two tokens' odds can differ by e² (ModelConfig)
+MUP_WIDER_MAX = 16  # a μP base model at most this many times wider than the model (m = d / d₀ ≥ 1/16)
 
 
 def _require_int(cfg, name: str, *, minimum: int, maximum: int = INT32_MAX) -> None:
@@ -123,6 +125,8 @@ class ModelConfig(JsonConfig):
     The knobs of the speedrun stacks (modded-nanogpt, nanochat) and of Gemma 2/3, each off by default:
     ``attn_softcap`` c_a: every attention score s (after its 1/√d scaling) becomes c_a·tanh(s/c_a) before the mask
     and softmax (Gemma 2); ``logit_softcap`` c_o: the output logits Λ become c_o·tanh(Λ/c_o) (Gemma 2, modded-nanogpt).
+    A cap is ≥ 1 (``SOFTCAP_MIN``): it confines every value to (−c, c), so any two tokens' odds differ by less than
+    e^{2c}, and a smaller cap flattens every distribution whatever the model learns (Gemma 2: 50 and 30).
     FFN kinds "geglu" ([GELU_tanh(Y W_gate) ⊙ Y W_up] W_down, Shazeer 2020; Gemma) and "relu2" (max(0, Y W_up)²
     W_down, So et al. 2021's squared ReLU; modded-nanogpt). ``value_embeds``: each attention layer ℓ has its own
     table E^v_ℓ (V, h_kv, d_h) and gate λ_ℓ (init 1/2), V = X W^V + λ_ℓ·E^v_ℓ[x] (modded-nanogpt's value
@@ -138,10 +142,12 @@ class ModelConfig(JsonConfig):
     training the 'local' layers' window grows from ``window_warmup_start`` w₀ (default W/8) to W over S_w
     updates (``model.training_window``; modded-nanogpt's window warmup); inference always uses W.
     ``mtp_depth`` D: D multi-token-prediction modules (DeepSeek-V3, model.mtp_hidden) trained beside the model,
-    predicting tokens t+2 … t+D+1 through the shared embedding and output head; generation never uses them.
+    predicting tokens t+2 … t+D+1 through the shared embedding and output head; generation never uses them. A
+    training window must be longer than D (``check_mtp_window``): module k predicts k + 1 positions ahead.
     ``parametrization`` "sp" (standard) or "mup" (the maximal-update parametrization of Yang et al. 2022, "Tensor
     Programs V", relative to a base model of width ``mup_base_width``: every rule is the identity at d_model =
-    mup_base_width, so hyperparameters tuned there transfer to wider models). Its rules come from the layout
+    mup_base_width, so hyperparameters tuned there transfer to wider models; the base is at most ``MUP_WIDER_MAX``
+    = 16 times wider than the model, as is ``mup_base_head_width`` than d_head). Its rules come from the layout
     (layers/layout.py): the output multiplier 1/m on the logits (m = d_model / mup_base_width), the unembedding's
     initial σ of the base width, the attention logit scale √d₀/d_h (d₀ = ``mup_base_head_width``; 1/d_h when
     unset) and per-parameter learning-rate multipliers in the optimizer (``train.optim.mup_lr_scales``). Attention
@@ -332,6 +338,13 @@ class ModelConfig(JsonConfig):
         for name in ("attn_softcap", "logit_softcap", "rope_local_base", "score_dim"):
             if getattr(self, name) is not None:
                 _require_float(self, name, positive=True)
+        for name, what in (("attn_softcap", "attention score"), ("logit_softcap", "output logit")):
+            cap = getattr(self, name)
+            if cap is not None and cap < SOFTCAP_MIN:
+                raise ConfigError(f"ModelConfig.{name} = {cap!r} is invalid: a soft cap c confines every {what} to "
+                                  f"(-c, c), so below {SOFTCAP_MIN:g} it flattens them all towards 0 (no two tokens' "
+                                  f"odds can differ by e^2); give c >= {SOFTCAP_MIN:g} (Gemma 2: 50 for scores, 30 "
+                                  f"for logits), or leave it unset")
         for name in ("attn_softcap", "value_embeds", "rope_local_base", "score_dim"):
             if getattr(self, name) not in (None, False) and not self.attention:
                 raise ConfigError(f"ModelConfig.{name} = {getattr(self, name)!r} acts on attention layers, but "
@@ -385,9 +398,9 @@ class ModelConfig(JsonConfig):
         if self.mup_base_width is None:
             raise ConfigError("ModelConfig.mup_base_width is not set: parametrization = 'mup' scales every rule by "
                               "d_model / mup_base_width (a positive integer: the width the hyperparameters were tuned at)")
-        _require_int(self, "mup_base_width", minimum=1)
+        self._check_mup_base("mup_base_width", "d_model", self.d_model)
         if self.mup_base_head_width is not None:
-            _require_int(self, "mup_base_head_width", minimum=1)
+            self._check_mup_base("mup_base_head_width", "d_head", self.d_head or 1)
         knobs = [f"{name} = {getattr(self, name)!r}" for name in ("value_embeds", "unet_skips", "mtp_depth",
                                                                    "score_dim", "embed_scale")
                  if getattr(self, name) not in (None, False, 0)]
@@ -399,6 +412,15 @@ class ModelConfig(JsonConfig):
             raise ConfigError(f"ModelConfig.parametrization = 'mup' has no rules for layer kind(s) {bad} (a router "
                               f"and Mamba's B/C projections are output-like matrices inside the stack): μP here "
                               f"covers mixers {list(MUP_MIXERS)} and FFNs {list(MUP_FFNS)}")
+
+    def _check_mup_base(self, name: str, width: str, value: int) -> None:
+        """A μP base width: a positive integer at most ``MUP_WIDER_MAX`` times the model's own ``width``."""
+        _require_int(self, name, minimum=1)
+        if getattr(self, name) > MUP_WIDER_MAX * value:
+            raise ConfigError(f"ModelConfig.{name} = {getattr(self, name)} is invalid: it is the width the "
+                              f"hyperparameters were tuned at, at most {MUP_WIDER_MAX} x {width} = "
+                              f"{MUP_WIDER_MAX * value} (the width multiplier m = {width} / {name} scales the logits "
+                              f"by 1/m, so a base far wider than the model blows them up)")
 
     @property
     def width_mult(self) -> float:
@@ -515,6 +537,15 @@ def check_seq_len(cfg: "ModelConfig", tcfg: "TrainConfig", model: str = "the mod
         fix = "lower --seq-len" + (" or raise max_seq_len in the model config" if model == "the model" else "")
         raise ConfigError(f"seq_len = {tcfg.seq_len} is longer than {model}'s max_seq_len = {cfg.max_seq_len}: "
                           f"{fix}")
+
+
+def check_mtp_window(cfg: "ModelConfig", tcfg: "TrainConfig") -> None:
+    """A model with ``mtp_depth`` D trains D modules, module k predicting the token k + 1 positions ahead: a window
+    of ``seq_len`` ≤ D leaves the deepest ones no target (their loss silently 0), so it is refused."""
+    if cfg.mtp_depth and tcfg.seq_len <= cfg.mtp_depth:
+        raise ConfigError(f"mtp_depth = {cfg.mtp_depth} needs training windows longer than itself (module k "
+                          f"predicts k + 1 tokens ahead), but seq_len = {tcfg.seq_len}: raise --seq-len above "
+                          f"{cfg.mtp_depth}, or lower model.mtp_depth below {tcfg.seq_len}")
 
 
 _FIELD_DEFAULTS = {"decay_fraction": 0.2, "decay_shape": "1-sqrt"}  # TrainConfig's wsd fields, unset

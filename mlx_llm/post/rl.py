@@ -122,6 +122,10 @@ class Sampler:
         self.task, self.k = s.task, s.k
         self.examples = tasks_lib.examples(s.task, "train", n=s.n_train, seed=tcfg.batch_seed)
         self.reward_model = reward_model
+        vocab = base.cfg.vocab_size
+        if s.top_k is not None and s.top_k > vocab:  # up front: the decoder refused it only after compiling
+            raise ConfigError(f"top_k = {s.top_k} is larger than the base model's vocabulary (V = {vocab}): give "
+                              f"1 … {vocab}, or leave --top-k unset for no cut")
         self.max_new = max_new_tokens or REPLY_TOKENS[s.task]
         self.prompts = [base.template.encode(tasks_lib.prompt_messages(e), base.tok, generation_prompt=True)[0]
                         for e in self.examples]

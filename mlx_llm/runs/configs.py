@@ -463,11 +463,15 @@ class RunOptions(JsonConfig):
         return str(Path(cache_dir if cache_dir is not None else default_cache_dir()).expanduser().resolve() / "jax")
 
     def check_steps(self, steps: int) -> None:
-        """The options fit a run of ``steps`` steps: a profiled window must start within it."""
+        """The options fit a run of ``steps`` steps: a profiled window must lie within it."""
         window = self.profile_range()
         if window is not None and window[0] > steps:
             raise ConfigError(f"--profile-steps {self.profile_steps} starts after the run's last step ({steps}): "
                               f"give a window that starts at step {steps} or before")
+        if window is not None and window[0] + window[1] - 1 > steps:
+            raise ConfigError(f"--profile-steps {self.profile_steps} traces steps {window[0]}-{sum(window) - 1}, past "
+                              f"the run's last step ({steps}): give at most {steps - window[0] + 1} steps from step "
+                              f"{window[0]}")
 
     def profile_range(self) -> tuple[int, int] | None:
         """(first traced step, steps traced) of ``profile_steps``, 1-based steps as in metrics.jsonl; or None."""

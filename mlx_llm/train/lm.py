@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mlx_llm.config import INT32_MAX, ModelConfig, TrainConfig, check_seq_len, wsd_decay_steps
+from mlx_llm.config import INT32_MAX, ModelConfig, TrainConfig, check_mtp_window, check_seq_len, wsd_decay_steps
 from mlx_llm.errors import ConfigError
 from mlx_llm.model import check_tokens
 from mlx_llm.scaling.accounting import train_flops_per_token
@@ -119,8 +119,9 @@ def train_loop(run_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, corpus, *, pl
 
 
 def finalize_config(cfg: ModelConfig, tok, tcfg: TrainConfig) -> ModelConfig:
-    """The model's vocabulary is the tokenizer's; the training length must fit the model; the diffusion
-    objective trains a bidirectional denoiser (``causal`` set false), the AR objective needs a causal model."""
+    """The model's vocabulary is the tokenizer's; the training length must fit the model and be longer than its
+    MTP depth; the diffusion objective trains a bidirectional denoiser (``causal`` set false), the AR objective
+    needs a causal model."""
     if cfg.vocab_size != tok.vocab_size:
         cfg = dataclasses.replace(cfg, vocab_size=tok.vocab_size, vocab_used=None)
     if tcfg.objective == "diffusion" and cfg.causal:
@@ -129,6 +130,7 @@ def finalize_config(cfg: ModelConfig, tok, tcfg: TrainConfig) -> ModelConfig:
         raise ConfigError("the model is bidirectional (causal = false): next-token training would let every "
                           "position read its own target; use --objective diffusion, or causal = true")
     check_seq_len(cfg, tcfg)
+    check_mtp_window(cfg, tcfg)
     return cfg
 
 
