@@ -19,8 +19,9 @@ it) comes from the run layer as ``RunHints`` (runs/rundir.py builds them from th
   has finished, and only then removes checkpoints beyond ``keep``: a failed save never costs a verified one.
 - A checkpoint that cannot be written (a full disk, say) raises ``CheckpointWriteError`` naming the step, the
   directory and the space it needs, once what orbax wrote of it is removed.
-- orbax's error logs (tracebacks from its threads) are dropped while a ``Checkpoints`` is open: every failure
-  reaches the caller as one of the errors above.
+- orbax's error logs (tracebacks from its threads) are dropped while a ``Checkpoints`` is open, and what a failed
+  write leaves running is waited for quietly (train/orbax_quiet.py): every failure reaches the caller as one of
+  the errors above, and nothing more is printed.
 """
 
 from __future__ import annotations
@@ -31,10 +32,8 @@ import dataclasses
 import errno
 import hashlib
 import json
-import logging
 import os
 import shutil
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -44,6 +43,7 @@ import orbax.checkpoint as ocp
 
 from mlx_llm.config import write_json_atomic
 from mlx_llm.errors import CheckpointError, CheckpointWriteError
+from mlx_llm.train.orbax_quiet import Quiet, settle
 
 CHECKPOINT_DIR = "checkpoints"  # a run directory's checkpoints/<step>/
 MANIFEST_FILE = "mlx_llm_sha256.json"  # inside each checkpoints/<step>/
@@ -97,8 +97,7 @@ class Checkpoints:
             max_to_keep=None, create=True, enable_async_checkpointing=asynchronous,
             async_options=ocp.AsyncOptions(post_finalization_callback=self._before_commit) if asynchronous else None)
         self._manager = ocp.CheckpointManager(self.directory, options=options)
-        self._quiet = lambda record: _not_orbax_error(record)  # this object's own filter, removed at ``close``
-        logging.getLogger("absl").addFilter(self._quiet)
+        self._quiet = Quiet()  # orbax's noise dropped until ``close``
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -173,7 +172,7 @@ class Checkpoints:
         """Remove what a failed save of ``step`` left (process 0): orbax's temporary directories of the step, and
         (``committed``: the save began, so the directory is this save's) the step directory orbax committed before
         its manifest failed; the error names the step, the directory and the space needed."""
-        _settle(self._manager)  # orbax's writer threads stop before their directories are removed
+        settle(self._manager)  # orbax's writes stop before their directories are removed
         if jax.process_index() == 0:
             for path in [*([self.step_dir(step)] if committed else []), *self.directory.glob(f"{step}{ORBAX_TMP}*")]:
                 shutil.rmtree(path, ignore_errors=True)
@@ -274,31 +273,11 @@ class Checkpoints:
             self.finish()
         finally:
             self._manager.close()
-            logging.getLogger("absl").removeFilter(self._quiet)
+            self._quiet.close()
 
 
 UNVERIFIED = (f"it has no checksum manifest {MANIFEST_FILE}, though this run writes one for every checkpoint: it "
               f"was deleted, or the run stopped before writing it, so the files cannot be verified")
-
-
-def _settle(manager) -> None:
-    """Wait until orbax's background writes have ended, their errors dropped: after a failed save, its threads may
-    still be writing (and would recreate what is removed, or log tracebacks later)."""
-    def drop(record):
-        return False
-
-    loggers = [logging.getLogger(name) for name in ("concurrent.futures", "asyncio")]
-    for logger in loggers:  # the futures orbax abandoned report "event loop is closed" as they finish
-        logger.addFilter(drop)
-    try:
-        with contextlib.suppress(Exception):
-            manager.wait_until_finished()
-        for thread in [t for t in threading.enumerate() if t is not threading.current_thread()
-                       and type(t).__module__.startswith("orbax.")]:
-            thread.join(timeout=30)
-    finally:
-        for logger in loggers:
-            logger.removeFilter(drop)
 
 
 def disk_full(exc: BaseException | None) -> bool:
@@ -318,12 +297,6 @@ def _size(n: float) -> str:
         if n >= k:
             return f"{n / k:.1f} {unit}"
     return f"{n:.0f} B"
-
-
-def _not_orbax_error(record: logging.LogRecord) -> bool:
-    """A ``logging`` filter dropping orbax's error logs (they carry tracebacks from its threads): the failures
-    they describe reach the caller as exceptions."""
-    return record.levelno < logging.ERROR or f"{os.sep}orbax{os.sep}" not in record.pathname
 
 
 def _write_manifest(step_dir: Path, skip: tuple[str, ...] = ()) -> None:

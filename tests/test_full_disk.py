@@ -1,0 +1,102 @@
+"""A disk that really fills up during a checkpoint write (issue 51): the run stops in its one line and nothing
+else. test_faults.py simulates the full disk inside Python, where the failure is one exception; on a real full
+disk orbax's other writes are still in flight when the first fails, and each reported itself (the loop they
+complete into is closed, the futures nobody awaited, orbax's threads re-raising from ``join``): 25–32 tracebacks
+after the line, in 5 runs of 6, and now and then a raw traceback with orbax's temporary directory left behind.
+
+The disk is a small tmpfs mounted over the run's parent in a private mount namespace (``unshare``), sized from a
+reference run so that a checkpoint after the first fails part-way, at three different points of its write. Where
+no such namespace can be made (no ``unshare``, user namespaces off), the test is skipped.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import REPO, TINY, cli_in_process, subprocess_env
+
+STEPS, INTERVAL = 24, 8  # checkpoints at 8, 16, 24
+UNSHARE = ["unshare", "--user", "--map-root-user", "--mount"]
+MARK = "--- checkpoints left:"
+# Inside the namespace: mount the tmpfs over $2 ($1 bytes), train into $2/run, list its checkpoints on stdout.
+SCRIPT = 'mount -t tmpfs -o size="$1" tmpfs "$2" || exit 99; shift 2; "$@"; rc=$?; echo "$MARK"; ls "$OUT/checkpoints"; exit $rc'
+
+
+def train_args(corpus_dir, model, out, cache):
+    return ["train", "--data", corpus_dir, "--extensions", ".py", "--val-percent", "20", "--tokenizer", "byte",
+            "--config", model, "--out", out, "--steps", STEPS, "--warmup-steps", 2, "--batch-size", 4, "--seq-len",
+            32, "--eval-interval", INTERVAL, "--eval-tokens", 256, "--checkpoint-interval", INTERVAL,
+            "--keep-checkpoints", 5, "--log-interval", 1, "--sample-tokens", 4, "--cache-dir", cache,
+            "--no-progress"]
+
+
+def allocated(path: Path) -> int:
+    """Bytes the files under ``path`` occupy on disk (whole blocks, as a tmpfs counts its pages)."""
+    return sum(p.stat().st_blocks * 512 for p in path.rglob("*") if p.is_file())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, corpus_dir):
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare: a private mount namespace cannot be made here")
+    probe = tmp_path_factory.mktemp("probe")
+    if subprocess.run([*UNSHARE, "sh", "-c", SCRIPT, "sh", "65536", probe, "true"], capture_output=True,
+                      env={**os.environ, "OUT": str(probe), "MARK": MARK}).returncode != 0:
+        pytest.skip("a tmpfs cannot be mounted in a private namespace here (user namespaces are off)")
+    root = tmp_path_factory.mktemp("full_disk")
+    TINY.to_json(root / "model.json")
+    proc = cli_in_process(*train_args(corpus_dir, root / "model.json", root / "ref", root / "cache"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    checkpoint = max(allocated(root / "ref" / "checkpoints" / str(s)) for s in (8, 16, 24))
+    rest = allocated(root / "ref") - allocated(root / "ref" / "checkpoints")
+    return {"corpus": corpus_dir, "root": root, "checkpoint": checkpoint, "rest": rest}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fraction", [0.2, 0.5, 0.8])
+def test_a_real_full_disk_is_one_line(reference, tmp_path, fraction):
+    """Room for the run, two checkpoints and ``fraction`` of a third: exit 1, and stderr is the one line naming
+    the checkpoint and the command that continues; no orbax temporary directory is left."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    size = reference["rest"] + int((2 + fraction) * reference["checkpoint"])
+    out, root = disk / "run", reference["root"]
+    args = train_args(reference["corpus"], root / "model.json", out, root / "cache")
+    command = [*UNSHARE, "sh", "-c", SCRIPT, "sh", str(size), str(disk), sys.executable, "-m", "mlx_llm",
+               *map(str, args)]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO, env=subprocess_env(OUT=out, MARK=MARK))
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr[-5000:]
+    assert lines[0].startswith("mlx-llm train: error: no space left on device writing checkpoint ")
+    assert lines[0].endswith(f"continue with `mlx-llm train --out {out} --resume`")
+    left = proc.stdout.split(MARK)[-1].split()
+    assert left and all(name.isdigit() for name in left), left  # the checkpoints that fit, nothing half-written
+
+
+
+def test_the_quiet_hook_drops_only_closed_loop_reports(monkeypatch):
+    """While a ``Checkpoints`` is open, asyncio's "Event loop is closed" (a write completing into orbax's closed
+    loop) is dropped and every other unraisable report passes; two open at once install one hook, and closing
+    restores the previous one."""
+    from types import SimpleNamespace
+
+    from mlx_llm.train.orbax_quiet import Quiet
+
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", seen.append)
+    outer, inner = Quiet(), Quiet()
+    hook = sys.unraisablehook
+    assert hook is not seen.append and not getattr(seen.append, "drops_closed_loops", False)
+    hook(SimpleNamespace(exc_value=RuntimeError("Event loop is closed")))
+    other = SimpleNamespace(exc_value=RuntimeError("something else"))
+    hook(other)
+    assert seen == [other]
+    inner.close()
+    assert sys.unraisablehook is hook
+    outer.close()
+    assert sys.unraisablehook == seen.append
