@@ -5,7 +5,8 @@ Decoders of the same greedy continuation:
                 decode steps run the blocks over per-layer weight arrays (unroll_layers=True, the default)
   layer scan    the same with unroll_layers=False: each step scans the stacked weights, and XLA copies every
                 layer's weight slice before its matmul (an extra read + write of all weights per token)
-  python loop   a jitted one-token forward_cached step, called from Python once per token (cache donated)
+  python loop   the library's jitted one-token step (decode.step.step), called from Python once per token
+                (state donated)
   recompute     no cache: a jitted full forward over the whole prefix for every new token
 
 Per-token times at several contexts show U19 §6's line against the triangle: the cached step reads the cache
@@ -41,7 +42,9 @@ import numpy as np
 from experiments import common
 from mlx_llm import ModelConfig, forward, init_params
 from mlx_llm.scaling.accounting import decode_state_bytes, kv_rows
-from mlx_llm.decode.state import forward_cached, init_cache, unstack_layers
+from mlx_llm.decode import step as step_lib
+from mlx_llm.decode.sampling import DecodeSettings, SamplingRows
+from mlx_llm.decode.state import init_cache, unstack_layers
 from mlx_llm.decode.generate import generate
 
 
@@ -92,33 +95,35 @@ def weight_bytes_per_token(params, cfg):
 def cached_timers(params, cfg, prompt, n_new):
     """Self-timed candidates: n_new greedy decode steps after an untimed prefill, cache donated, for three decoders.
 
-    'scan' / 'lscan' are generate()'s decode loop: one jitted lax.scan over steps of forward_cached + argmax,
-    over per-layer weights (generate's default) or scanning the stacked weights. 'loop' calls a jitted
-    one-token step from Python once per token.
+    'scan' / 'lscan' are generate()'s decode loop: one jitted lax.scan over the public ``decode.step.advance``
+    (forward one token + choose), over per-layer weights (generate's default) or scanning the stacked weights.
+    'loop' calls the public jitted ``decode.step.step`` from Python once per token.
     """
-    prefill = jax.jit(lambda p, x, c: forward_cached(p, x, c, cfg))
     layers = unstack_layers(params, cfg)  # separate per-layer buffers, made once
-
-    def step_fn(cache, tok_B1, layers):
-        logits, cache = forward_cached(params, tok_B1, cache, cfg, layers=layers)
-        return cache, jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None]
-
-    def scan_fn(cache, tok_B1, layers):
-        body = lambda carry, _: (step_fn(*carry, layers), None)
-        return jax.lax.scan(body, (cache, tok_B1), None, length=n_new)[0]
-
-    step, scan = jax.jit(step_fn, donate_argnums=0), jax.jit(scan_fn, donate_argnums=0)
     b, t = prompt.shape
+    greedy, key = SamplingRows.of(DecodeSettings()), jax.random.key(0)
+    active = jnp.ones((b,), bool)
+
+    def scan_fn(cache, tok_B, layers):
+        def body(carry, _):
+            cache, tok_B = carry
+            picked, cache = step_lib.advance(params, cache, tok_B, active, greedy, key, cfg=cfg, layers=layers)
+            return (cache, picked.tokens), None
+        return jax.lax.scan(body, (cache, tok_B), None, length=n_new)[0]
+
+    scan = jax.jit(scan_fn, donate_argnums=0)
 
     def timed(decode):
-        logits, cache = prefill(params, prompt, init_cache(cfg, b, t + n_new, params["embed"].dtype))
-        tok = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None]
+        cache = init_cache(cfg, b, t + n_new, params["embed"].dtype)
+        logits, cache = step_lib.prefill(params, cache, prompt, jnp.full((b,), t, jnp.int32), cfg=cfg)
+        tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         jax.block_until_ready((tok, cache))
         return common.seconds(decode, cache, tok)
 
     def loop(cache, tok):
         for _ in range(n_new):
-            cache, tok = step(cache, tok, layers)
+            picked, cache = step_lib.step(params, cache, tok, active, greedy, key, cfg=cfg, layers=layers)
+            tok = picked.tokens
         return tok
 
     return {"scan": lambda: timed(lambda c, x: scan(c, x, layers)),
@@ -178,10 +183,12 @@ def hf_compare(params, cfg, prompt, n_new, repeats):
 
 
 def in_place_check(params, cfg, max_len, layers):
-    """Compiled memory of one donated decode step: temporaries far below the cache size = no full copy."""
-    step = jax.jit(forward_cached, static_argnames="cfg", donate_argnames="cache")
+    """Compiled memory of one donated decode step (``decode.step.step``): temporaries far below the cache size = no
+    full copy."""
     cache = init_cache(cfg, 1, max_len, params["embed"].dtype)
-    mem = step.lower(params, jnp.zeros((1, 1), jnp.int32), cache, cfg, layers=layers).compile().memory_analysis()
+    args = (params, cache, jnp.zeros((1,), jnp.int32), jnp.ones((1,), bool), SamplingRows.of(DecodeSettings()),
+            jax.random.key(0))
+    mem = step_lib.step.lower(*args, cfg=cfg, layers=layers).compile().memory_analysis()
     return mem.temp_size_in_bytes, decode_state_bytes(cfg, max_len, 1, params["embed"].dtype)
 
 

@@ -22,7 +22,7 @@ fine-tune, and sliding-window decoding against full attention.
    against the same weights (random init) with full attention ("attn"): the decode state's bytes
    (``accounting.decode_state_bytes``: min(t, W) positions per local layer, t per full one) and the per-token
    decode time at contexts of 1k, 4k and 16k positions (max_seq_len raised to fit; the context prefilled in
-   chunks with ``forward_cached``, then 64 one-token ``forward_cached`` steps in one jitted ``lax.scan``, over
+   chunks with ``decode.step.prefill``, then 64 one-token ``decode.step.advance`` steps in one jitted ``lax.scan``, over
    per-layer weights as ``generate`` does; the two models timed in turn, best of 5: ``common.time_interleaved``).
 
 Everything goes to experiments/results/long_context.json with provenance (``--save``; under ``--quick`` only when
@@ -49,7 +49,9 @@ import numpy as np
 from experiments import common
 from mlx_llm import init_params
 from mlx_llm.config import ModelConfig, TrainConfig
-from mlx_llm.decode.state import forward_cached, init_cache, unstack_layers
+from mlx_llm.decode import step as step_lib
+from mlx_llm.decode.sampling import DecodeSettings, SamplingRows
+from mlx_llm.decode.state import init_cache, unstack_layers
 from mlx_llm.recipes import BASE_MODEL, ADAMW_TRAIN, MAIN_JOB_VOCAB
 from mlx_llm.runs.configs import DataSpec
 from mlx_llm.runs.load import load_params
@@ -213,24 +215,27 @@ def decode_cfg(kind: str, window: int, max_len: int) -> ModelConfig:
 
 
 def prefilled(params, cfg: ModelConfig, tokens_1T, chunk: int):
-    """(the decode state after ``tokens_1T``, fed in chunks of ``chunk`` through ``forward_cached``, its last token)."""
-    fill = jax.jit(lambda p, x, c: forward_cached(p, x, c, cfg)[1], donate_argnums=2)
+    """(the decode state after ``tokens_1T``, fed in chunks of ``chunk`` through the library's ``decode.step.prefill``,
+    its last token)."""
     cache = init_cache(cfg, 1, cfg.max_seq_len)
     for s in range(0, tokens_1T.shape[1], chunk):
-        cache = fill(params, tokens_1T[:, s:s + chunk], cache)
-    return jax.block_until_ready(cache), tokens_1T[:, -1:]
+        part = tokens_1T[:, s:s + chunk]
+        _, cache = step_lib.prefill(params, cache, part, jnp.full((1,), part.shape[1], jnp.int32), cfg=cfg,
+                                    first=s == 0)
+    return jax.block_until_ready(cache), tokens_1T[:, -1]
 
 
 def decoder(params, cfg: ModelConfig, n_steps: int):
-    """A function of no arguments decoding ``n_steps`` greedy tokens (one jitted ``lax.scan`` of one-token
-    ``forward_cached`` steps over per-layer weights, the state donated) from the state it keeps."""
+    """A function of no arguments decoding ``n_steps`` greedy tokens (one jitted ``lax.scan`` of the library's
+    one-token step ``decode.step.advance`` over per-layer weights, the state donated) from the state it keeps."""
     layers = unstack_layers(params, cfg)
+    greedy, key, active = SamplingRows.of(DecodeSettings()), jax.random.key(0), jnp.ones((1,), bool)
 
     def run(p, ls, carry):
         def body(c, _):
-            cache, tok_11 = c
-            logits, cache = forward_cached(p, tok_11, cache, cfg, layers=ls)
-            return (cache, jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None]), None
+            cache, tok_1 = c
+            picked, cache = step_lib.advance(p, cache, tok_1, active, greedy, key, cfg=cfg, layers=ls)
+            return (cache, picked.tokens), None
         return jax.lax.scan(body, carry, None, length=n_steps)[0]
 
     step = jax.jit(run, donate_argnums=2)

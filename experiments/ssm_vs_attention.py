@@ -32,7 +32,9 @@ import numpy as np
 from experiments import common
 from experiments.common import CONFIGS
 from mlx_llm import ModelConfig
-from mlx_llm.decode.state import forward_cached, init_cache, unstack_layers
+from mlx_llm.decode import step as step_lib
+from mlx_llm.decode.sampling import DecodeSettings, SamplingRows
+from mlx_llm.decode.state import init_cache, unstack_layers
 from mlx_llm.recipes import ADAMW_TRAIN, MAIN_JOB_VOCAB
 from mlx_llm.scaling.accounting import decode_state_bytes
 from mlx_llm.runs.configs import DataSpec
@@ -44,19 +46,19 @@ CONTEXTS = (128, 512, 2048)
 
 def decode_tokens_per_second(params, cfg: ModelConfig, context: int, new_tokens: int) -> float:
     """Decode steps per second at batch 1 after a random prompt of ``context`` tokens: the state is prefilled
-    once, then a jitted one-token ``forward_cached`` step (the body of `generate`'s loop) is timed over
-    ``new_tokens`` steps, so the prefill is not counted."""
+    once (``decode.step.prefill``), then the library's jitted one-token step (``decode.step.step``, the body of
+    `generate`'s loop) is timed over ``new_tokens`` steps, so the prefill is not counted."""
     cfg = dataclasses.replace(cfg, max_seq_len=context + new_tokens + 1)  # the weights do not depend on it
     prompt = np.random.default_rng(0).integers(3, cfg.vocab_size, (1, context)).astype(np.int32)
     layers = unstack_layers(params, cfg)
-    prefill = jax.jit(lambda p, t, s: forward_cached(p, t, s, cfg))
-    step = jax.jit(lambda layers, p, t, s: forward_cached(p, t, s, cfg, layers=layers), donate_argnums=3)
-    _, state = prefill(params, prompt, init_cache(cfg, 1, context + new_tokens + 1))
-    token = np.array([[5]], np.int32)
+    _, state = step_lib.prefill(params, init_cache(cfg, 1, context + new_tokens + 1), prompt,
+                                np.array([context], np.int32), cfg=cfg)
+    token, active, greedy, key = np.array([5], np.int32), np.ones((1,), bool), SamplingRows.of(DecodeSettings()), \
+        jax.random.key(0)
 
     def one_step(s):
-        logits, s = step(layers, params, token, s)
-        return s, logits
+        picked, s = step_lib.step(params, s, token, active, greedy, key, cfg=cfg, layers=layers)
+        return s, picked.tokens
 
     decode = common.carry(one_step, state)
     common.seconds(decode)  # compile

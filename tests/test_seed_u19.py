@@ -32,7 +32,7 @@ from mlx_llm.scaling.accounting import (KVShape, gpt2_block_params, gpt2_params,
 from mlx_llm.scaling.laws import chinchilla_loss
 from helpers import tiny_cfg
 
-generate_lib = importlib.import_module("mlx_llm.decode.generate")  # the module (for counting its model runs)
+step_lib = importlib.import_module("mlx_llm.decode.step")  # generate's steps (for counting its model runs)
 
 MIB, GIB = 2**20, 2**30
 BASE = 10_000.0  # RoPE base of U19 §7
@@ -146,13 +146,13 @@ def test_u19_s1_one_run_of_the_model_per_new_token(monkeypatch):
     prompt, then the cache) and is fed the token the previous run just chose ("it takes its own suggestion, adds
     it to the message, and suggests again"). Counted at run time inside ``generate``'s compiled loop."""
     runs = []
-    original = generate_lib.forward_cached
+    original = step_lib.forward_cached
 
     def counting(params, tokens, cache, cfg, **kw):
         jax.debug.callback(lambda t: runs.append(np.asarray(t).copy()), tokens)
         return original(params, tokens, cache, cfg, **kw)
 
-    monkeypatch.setattr(generate_lib, "forward_cached", counting)
+    monkeypatch.setattr(step_lib, "forward_cached", counting)
     cfg = tiny_cfg(n_layers=1, max_seq_len=101)  # a shape no other test compiles: ``generate`` is traced afresh
     params = random_params(cfg, 0)
     question = (np.arange(40) * 7 % cfg.vocab_size)[None]

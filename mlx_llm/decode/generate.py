@@ -1,9 +1,11 @@
 """Generation (M20 §13–§14, U19 §1, §4–§6): prefill the KV cache, then a ``lax.scan`` decode loop.
 
-``generate`` validates everything at the boundary, then runs one jitted function (cfg and the decode
-settings are static, so each combination compiles once and is reused): a prefill of the (right-padded)
-prompts through ``forward_cached``, the first token chosen from each row's last valid logits, and a scan
-over the remaining steps that feeds the last token back (one cached position per step, M20 §14).
+``generate`` validates everything at the boundary, then runs one jitted function over the public steps of
+``decode/step.py``: ``fill`` (``prefill``'s body) of the (right-padded) prompts, the first token chosen from
+each row's last valid logits (``sample``), and a scan of ``advance`` (``step``'s body) over the remaining steps
+that feeds the last token back (one cached position per step, M20 §14). cfg and the lengths are static; the sampling settings are data
+(``SamplingRows``), so every temperature, top-k and top-p shares one compile. Beam search, a search over W
+beams rather than one token per row, keeps its own loop (its settings static).
 
 Sampling and greedy carry (cache, last tokens, done flags, running log q and log p); the PRNG key of step t
 is ``fold_in(seed_key_data(seed), t)``, so a seed fixes the whole continuation. A row that emitted ``eos_id`` is
@@ -22,13 +24,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mlx_llm.decode import step as step_lib
 from mlx_llm.decode.state import DecodeState, forward_cached, init_cache, reorder_rows, require_causal, unstack_layers
 from mlx_llm.config import ModelConfig
 from mlx_llm.errors import InputError
-from mlx_llm.kernels import attention_path
 from mlx_llm.model import Params, check_tokens, resolved
 from mlx_llm.ops import SEED_MAX, seed_key_data
-from mlx_llm.decode.sampling import DecodeSettings, beam_rank, beam_step, choose
+from mlx_llm.decode.sampling import DecodeSettings, SamplingRows, beam_rank, beam_step
 
 
 @flax.struct.dataclass
@@ -60,44 +62,26 @@ class _Rows:
     logp: jax.Array
 
 
-def _last_valid(logits_BTV, lengths_B):
-    """The logits row of each prompt's last real token (M20 §2: row t−1 predicts x_t)."""
-    return jnp.take_along_axis(logits_BTV, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
-
-
-def _tokens_only(logits_BxV, cfg: ModelConfig):
-    """Logits with the padding rows of a padded vocabulary (ids ≥ ``cfg.vocab_used``) at −∞: generation never
-    chooses an id the tokenizer does not have (log q and log p are then over the tokens only)."""
-    if cfg.vocab_used is None:
-        return logits_BxV
-    return jnp.where(jnp.arange(cfg.vocab_size) < cfg.vocab_used, logits_BxV, -jnp.inf)
-
-
 def _prefill(params, prompt_BT, lengths_B, cfg, max_new_tokens, kernels):
-    """The prompts into an empty cache. Their attention is self-attention over the prompt, so a kernel path other
-    than the reference runs it as such (``fresh``); the reference reads the cache (the decode steps always do)."""
+    """The prompts into an empty cache of prompt + ``max_new_tokens`` slots (``step.fill``)."""
     cache = init_cache(cfg, prompt_BT.shape[0], prompt_BT.shape[1] + max_new_tokens, params["embed"].dtype)
-    fresh = attention_path(kernels, prompt_BT.shape[1]) != "xla"
-    logits_BTV, cache = forward_cached(params, prompt_BT, cache, cfg, n_new_B=lengths_B, kernels=kernels, fresh=fresh)
-    return _tokens_only(_last_valid(logits_BTV, lengths_B), cfg), cache
+    return step_lib.fill(params, cache, prompt_BT, lengths_B, cfg=cfg, kernels=kernels)
 
 
 # ----- sampling and greedy -------------------------------------------------------------------------
-def _select(key, logits_BV, rows: _Rows, settings, eos_id, pad_id):
-    """Choose each row's next token and accumulate its log q and log p; finished rows emit pad_id. Returns the
-    tokens, the rows and the step's (log q, log p) of each row (0 for a finished row)."""
-    tok_B, lq_B = choose(key, logits_BV, settings)
-    lp_B = jnp.take_along_axis(jax.nn.log_softmax(logits_BV.astype(lq_B.dtype), axis=-1), tok_B[:, None], axis=-1)[:, 0]
+def _finish(picked: step_lib.Picked, rows: _Rows, eos_id, pad_id):
+    """Book each row's chosen token: finished rows emit pad_id and score 0; a row that emits EOS is done.
+    Returns the tokens, the rows and the step's (log q, log p) of each row."""
     active_B = ~rows.done
-    tok_B = jnp.where(active_B, tok_B, pad_id)
+    tok_B = jnp.where(active_B, picked.tokens, pad_id)
     done_B = rows.done if eos_id is None else rows.done | (active_B & (tok_B == eos_id))
-    lq_B, lp_B = jnp.where(active_B, lq_B, 0.0), jnp.where(active_B, lp_B, 0.0)
+    lq_B, lp_B = jnp.where(active_B, picked.logq, 0.0), jnp.where(active_B, picked.logp, 0.0)
     rows = _Rows(done=done_B, length=rows.length + active_B.astype(jnp.int32), logq=rows.logq + lq_B,
                  logp=rows.logp + lp_B)
     return tok_B, rows, (lq_B, lp_B)
 
 
-def _sample(params, prompt_BT, lengths_B, key, *, cfg, settings, max_new_tokens, eos_id, pad_id, unroll_layers,
+def _sample(params, prompt_BT, lengths_B, key, sampling, *, cfg, max_new_tokens, eos_id, pad_id, unroll_layers,
             kernels):
     logits_BV, cache = _prefill(params, prompt_BT, lengths_B, cfg, max_new_tokens, kernels)
     layers = unstack_layers(params, cfg) if unroll_layers else None
@@ -105,17 +89,17 @@ def _sample(params, prompt_BT, lengths_B, key, *, cfg, settings, max_new_tokens,
     b = prompt_BT.shape[0]
     rows = _Rows(done=jnp.zeros((b,), bool), length=jnp.zeros((b,), jnp.int32),
                  logq=jnp.zeros((b,), acc), logp=jnp.zeros((b,), acc))
-    tok_B, rows, first = _select(jax.random.fold_in(key, 0), logits_BV, rows, settings, eos_id, pad_id)
+    picked = step_lib.sample(jax.random.fold_in(key, 0), logits_BV, sampling)
+    tok_B, rows, first = _finish(picked, rows, eos_id, pad_id)
 
-    def step(carry, t):
+    def body(carry, t):
         cache, tok_B, rows = carry
-        logits_B1V, cache = forward_cached(params, tok_B[:, None], cache, cfg, n_new_B=(~rows.done).astype(jnp.int32),
-                                           layers=layers, kernels=kernels)
-        tok_B, rows, scores = _select(jax.random.fold_in(key, t), _tokens_only(logits_B1V[:, 0], cfg), rows,
-                                      settings, eos_id, pad_id)
+        picked, cache = step_lib.advance(params, cache, tok_B, ~rows.done, sampling, jax.random.fold_in(key, t),
+                                         cfg=cfg, layers=layers, kernels=kernels)
+        tok_B, rows, scores = _finish(picked, rows, eos_id, pad_id)
         return (cache, tok_B, rows), (tok_B, *scores)
 
-    (_, _, rows), per_step = jax.lax.scan(step, (cache, tok_B, rows), jnp.arange(1, max_new_tokens))
+    (_, _, rows), per_step = jax.lax.scan(body, (cache, tok_B, rows), jnp.arange(1, max_new_tokens))
     tokens_BN, logq_BN, logp_BN = (jnp.concatenate([a[:, None], b_NB.T], axis=1)
                                    for a, b_NB in zip((tok_B, *first), per_step))
     return GenerationResult(tokens=tokens_BN, lengths=rows.length, logq=rows.logq, logp=rows.logp,
@@ -171,8 +155,8 @@ def _beam(params, prompt_BT, lengths_B, *, cfg, settings, max_new_tokens, eos_id
         n_new = (~beams.finished).reshape(-1).astype(jnp.int32)
         logits_R1V, cache = forward_cached(params, tok.reshape(-1, 1), cache, cfg, n_new_B=n_new, layers=layers,
                                            kernels=kernels)
-        parent, tok, beams = _beam_select(t, _tokens_only(logits_R1V.reshape(b, w, v), cfg), beams, settings,
-                                          eos_id, pad_id)
+        parent, tok, beams = _beam_select(t, step_lib.tokens_only(logits_R1V.reshape(b, w, v), cfg), beams,
+                                          settings, eos_id, pad_id)
         return (cache, parent, tok, beams), None
 
     (_, _, _, beams), _ = jax.lax.scan(step, (cache, parent, tok, beams), jnp.arange(1, max_new_tokens))
@@ -182,9 +166,9 @@ def _beam(params, prompt_BT, lengths_B, *, cfg, settings, max_new_tokens, eos_id
                             lengths=pick(beams.length), logq=jnp.zeros((b,), acc), logp=pick(beams.score))
 
 
-_STATIC = ("cfg", "settings", "max_new_tokens", "eos_id", "pad_id", "unroll_layers", "kernels")
-_sample_jit = jax.jit(_sample, static_argnames=_STATIC)
-_beam_jit = jax.jit(_beam, static_argnames=_STATIC)
+_STATIC = ("cfg", "max_new_tokens", "eos_id", "pad_id", "unroll_layers", "kernels")
+_sample_jit = jax.jit(_sample, static_argnames=_STATIC)  # the sampling settings are data: one compile serves all
+_beam_jit = jax.jit(_beam, static_argnames=(*_STATIC, "settings"))
 
 
 # ----- the public entry point ----------------------------------------------------------------------
@@ -241,9 +225,8 @@ def generate(params: Params, cfg: ModelConfig, prompt_BT, max_new_tokens: int, *
     settings = DecodeSettings(temperature=temperature, top_k=top_k, top_p=top_p, beam_width=beam_width,
                               length_penalty=length_penalty).check_vocab(cfg.vocab_size)
     prompt, lengths = _check_request(cfg, prompt_BT, max_new_tokens, prompt_lengths, eos_id, pad_id, seed)
-    static = dict(cfg=cfg, settings=settings, max_new_tokens=int(max_new_tokens),
-                  eos_id=None if eos_id is None else int(eos_id), pad_id=int(pad_id), unroll_layers=bool(unroll_layers),
-                  kernels=resolved(kernels))
+    static = dict(cfg=cfg, max_new_tokens=int(max_new_tokens), eos_id=None if eos_id is None else int(eos_id),
+                  pad_id=int(pad_id), unroll_layers=bool(unroll_layers), kernels=resolved(kernels))
     if settings.mode == "beam":
-        return _beam_jit(params, prompt, lengths, **static)
-    return _sample_jit(params, prompt, lengths, seed_key_data(seed), **static)
+        return _beam_jit(params, prompt, lengths, settings=settings, **static)
+    return _sample_jit(params, prompt, lengths, seed_key_data(seed), SamplingRows.of(settings), **static)

@@ -17,6 +17,7 @@ import dataclasses
 import math
 import numbers
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -148,21 +149,97 @@ def renormalise(logits_BV: jax.Array, keep_BV: jax.Array) -> jax.Array:
     return jax.nn.log_softmax(masked_BV, axis=-1)
 
 
+@flax.struct.dataclass
+class SamplingRows:
+    """Sampling settings as data, one value per row (or one for all rows: scalars broadcast), so one compiled
+    decoder serves every setting and every mix of settings in a batch.
+
+    temperature: τ > 0 samples, 0 is greedy (argmax, its own rule, M20 §13). top_k: k ≥ 1 keeps the k largest
+    logits, 0 cuts nothing. top_p: the nucleus mass in (0, 1]; 1 cuts nothing. Built from validated
+    ``DecodeSettings`` by ``of``; the arrays are in the default float width (float64 under x64), so a setting
+    means the same number as the Python float it came from.
+    """
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+
+    @classmethod
+    def of(cls, settings) -> "SamplingRows":
+        """The rows of one ``DecodeSettings`` (scalars, shared by every row) or of a sequence of them (one row
+        each). Beam search's settings are greedy here (a deterministic search)."""
+        many = not isinstance(settings, DecodeSettings)
+        rows = list(settings) if many else [settings]
+        t = [s.temperature if s.mode == "sample" else 0.0 for s in rows]
+        k = [s.top_k or 0 if s.mode == "sample" else 0 for s in rows]
+        p = [s.top_p if s.mode == "sample" and s.top_p is not None else 1.0 for s in rows]
+        pick = (lambda x: x) if many else (lambda x: x[0])
+        return cls(temperature=jnp.asarray(pick(t), float), top_k=jnp.asarray(pick(k), jnp.int32),
+                   top_p=jnp.asarray(pick(p), float))
+
+
+def _per_row(x: jax.Array, like_BV: jax.Array) -> jax.Array:
+    """A row setting (scalar or one per row) against a (…, V) logits array: (…, 1)."""
+    return jnp.broadcast_to(jnp.asarray(x), like_BV.shape[:-1])[..., None]
+
+
+def top_k_rows(logits_BV: jax.Array, k_B) -> jax.Array:
+    """``top_k_mask`` with k per row (0: keep every token): the k-th largest value read off a sorted copy."""
+    k_B1 = _per_row(k_B, logits_BV)
+    sorted_BV = -jnp.sort(-logits_BV, axis=-1)
+    kth_B1 = jnp.take_along_axis(sorted_BV, jnp.maximum(k_B1, 1) - 1, axis=-1)
+    return (logits_BV >= kth_B1) | (k_B1 == 0)
+
+
+def top_p_rows(logits_BV: jax.Array, p_B) -> jax.Array:
+    """``top_p_mask`` with p per row (p ≥ 1 keeps every token)."""
+    p_B1 = _per_row(p_B, logits_BV)
+    probs_BV = jax.nn.softmax(_acc(logits_BV), axis=-1)
+    sorted_BV = -jnp.sort(-probs_BV, axis=-1)
+    before_BV = jnp.cumsum(sorted_BV, axis=-1) - sorted_BV
+    tol = 8 * jnp.finfo(probs_BV.dtype).eps
+    n_B1 = jnp.maximum(jnp.sum(before_BV < p_B1 - tol, axis=-1, keepdims=True), 1)
+    cut_B1 = jnp.take_along_axis(sorted_BV, n_B1 - 1, axis=-1)
+    return (probs_BV >= cut_B1) | (p_B1 >= 1.0)
+
+
+def rows_logprobs(logits_BV: jax.Array, rows: SamplingRows) -> jax.Array:
+    """log q of each row's decoding distribution: temperature → top-k → top-p → renormalise (U19 §5, M20 §13);
+    a greedy row (τ = 0) puts all mass on its argmax (log q = 0 there). The cuts cost a sort of the vocabulary,
+    so they run only when some row asks for one."""
+    acc_BV = _acc(logits_BV)
+    t_B1 = _per_row(rows.temperature, acc_BV)
+    greedy_B1 = t_B1 == 0
+    hot_BV = jax.nn.one_hot(greedy(logits_BV), logits_BV.shape[-1], dtype=bool)
+    scaled_BV = acc_BV / jnp.where(greedy_B1, 1.0, t_B1).astype(acc_BV.dtype)
+    everything_BV = jnp.ones(scaled_BV.shape, bool)
+    keep_BV = jax.lax.cond(jnp.any(jnp.asarray(rows.top_k) > 0), lambda: top_k_rows(scaled_BV, rows.top_k),
+                           lambda: everything_BV)
+    keep_BV = jax.lax.cond(jnp.any(jnp.asarray(rows.top_p) < 1.0),
+                           lambda: keep_BV & top_p_rows(jnp.where(keep_BV, scaled_BV, -jnp.inf), rows.top_p),
+                           lambda: keep_BV)
+    sampled_BV = renormalise(scaled_BV, keep_BV)
+    return jnp.where(greedy_B1, jnp.where(hot_BV, 0.0, -jnp.inf).astype(acc_BV.dtype), sampled_BV)
+
+
+def choose_rows(key: jax.Array, logits_BV: jax.Array, rows: SamplingRows):
+    """The next token per row and its log q: argmax for a greedy row, a draw from q for a sampling row (one draw
+    over the whole batch with ``key``, made only when some row samples)."""
+    logq_BV = rows_logprobs(logits_BV, rows)
+    greedy_B = _per_row(rows.temperature, logits_BV)[..., 0] == 0
+    argmax_B = greedy(logits_BV)
+    drawn_B = jax.lax.cond(jnp.all(greedy_B), lambda: argmax_B, lambda: draw(key, logq_BV))
+    tok_B = jnp.where(greedy_B, argmax_B, drawn_B)
+    return tok_B, jnp.take_along_axis(logq_BV, tok_B[..., None], axis=-1)[..., 0]
+
+
 def decoding_logprobs(logits_BV: jax.Array, settings: DecodeSettings) -> jax.Array:
     """log q of the decoding distribution: temperature → top-k → top-p → renormalise (U19 §5, M20 §13).
 
-    Greedy (and beam search, a deterministic search) put all mass on the argmax: log q = 0 there.
+    Greedy (and beam search, a deterministic search) put all mass on the argmax: log q = 0 there. The rules of
+    ``rows_logprobs`` with one setting for every row.
     """
-    if settings.mode != "sample":
-        hot_BV = jax.nn.one_hot(greedy(logits_BV), logits_BV.shape[-1], dtype=bool)
-        return jnp.where(hot_BV, 0.0, -jnp.inf).astype(_acc(logits_BV).dtype)
-    scaled_BV = apply_temperature(logits_BV, settings.temperature)
-    keep_BV = jnp.ones(scaled_BV.shape, bool)
-    if settings.top_k is not None:
-        keep_BV = top_k_mask(scaled_BV, settings.top_k)
-    if settings.top_p is not None:
-        keep_BV = keep_BV & top_p_mask(jnp.where(keep_BV, scaled_BV, -jnp.inf), settings.top_p)
-    return renormalise(scaled_BV, keep_BV)
+    return rows_logprobs(logits_BV, SamplingRows.of(settings))
 
 
 def draw(key: jax.Array, logq_BV: jax.Array) -> jax.Array:
@@ -171,10 +248,8 @@ def draw(key: jax.Array, logq_BV: jax.Array) -> jax.Array:
 
 
 def choose(key: jax.Array, logits_BV: jax.Array, settings: DecodeSettings):
-    """The next token per row and its log q: argmax for greedy, a draw from q when sampling."""
-    logq_BV = decoding_logprobs(logits_BV, settings)
-    tok_B = greedy(logits_BV) if settings.mode != "sample" else draw(key, logq_BV)
-    return tok_B, jnp.take_along_axis(logq_BV, tok_B[:, None], axis=-1)[:, 0]
+    """The next token per row and its log q: argmax for greedy, a draw from q when sampling (``choose_rows``)."""
+    return choose_rows(key, logits_BV, SamplingRows.of(settings))
 
 
 # ----- beam search: one selection step ------------------------------------------------------------
