@@ -3,6 +3,7 @@
 
 import json
 import math
+import re
 
 import jax
 import numpy as np
@@ -234,6 +235,147 @@ def test_a_changed_seed_on_resume_is_refused(four_runs):
         proc = cli_in_process("train", "--resume", "--out", run, flag, 5, "--no-progress")
         assert proc.returncode == 2 and "exactly as it was configured" in proc.stderr, proc.stderr
     assert snapshot(run) == before
+
+
+# ----- what compare refuses, on runs written as mlx-llm train writes them (no training) -----------------------------
+FP = "ab" * 32  # a data fingerprint (DataSpec.fingerprint)
+
+
+def written_run(root, name, value, *, steps=4, last=4, fingerprint=FP, data="/corpus", **train):
+    """A run directory as ``mlx-llm train`` leaves it (configs, run.json with a new run id, metrics.jsonl, the
+    checkpoint directories), without training: ``value`` its last val_bpb, ``last`` its last checkpoint."""
+    from mlx_llm.runs.configs import DataSpec
+    from mlx_llm.runs.record import RunRecord, write_run
+
+    out = root / name
+    write_run(out, TINY, tiny_train(steps=steps, **train),
+              RunRecord(kind="pretrain", data=DataSpec(path=data, tokenizer="byte", fingerprint=fingerprint)))
+    (out / "metrics.jsonl").write_text(json.dumps({"step": last, "loss": 2.0}) + "\n"
+                                       + json.dumps({"step": last, "val_bpb": value}) + "\n")
+    (out / "checkpoints" / str(last)).mkdir(parents=True)
+    return out
+
+
+def refusal(*args) -> str:
+    """The one stderr line of a refused ``mlx-llm compare``."""
+    proc = cli_in_process("compare", *args)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, (proc.returncode, proc.stdout, proc.stderr)
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    return proc.stderr
+
+
+def test_paired_matches_the_whole_seed_triple(tmp_path):
+    """--paired pairs runs whose --seed, --init-seed and --data-seed all match (the seeds that vary within a group
+    are the key): runs that differ in --data-seed no longer pair by --seed alone; an init-only study (one --seed,
+    init seeds 0-2) pairs by its init seeds; a study of one seed (init 0 against init 1 over seeds 0-2, nothing
+    else different) pairs by the others, and the same with a setting that differs too is refused; nothing is
+    written."""
+    a = [written_run(tmp_path, f"a{s}", 1.40 + 0.01 * s, seed=s) for s in range(3)]
+    b9 = [written_run(tmp_path, f"b{s}", 1.45 + 0.02 * s, seed=s, data_seed=9) for s in range(3)]
+    ia = [written_run(tmp_path, f"ia{i}", [1.41, 1.39, 1.44][i], init_seed=i) for i in range(3)]
+    ib = [written_run(tmp_path, f"ib{i}", [1.46, 1.43, 1.47][i], init_seed=i) for i in (2, 0, 1)]
+    i0 = [written_run(tmp_path, f"i0s{s}", 1.40 + 0.01 * s, seed=s, init_seed=0) for s in range(3)]
+    i1 = [written_run(tmp_path, f"i1s{s}", [1.43, 1.47, 1.45][s], seed=s, init_seed=1) for s in range(3)]
+    lr = [written_run(tmp_path, f"lr{s}", 1.5, seed=s, init_seed=1, lr=3e-3) for s in range(3)]
+    before = snapshot(tmp_path)
+    assert re.search(r"--paired: run .*a0 \(seed 0\) has no run with its seeds in --against: pairs share --seed and "
+                     r"--init-seed and --data-seed", refusal(*a, "--against", *b9, "--paired"))
+    assert re.search(r"run .*a0 \(seed 0\) has no run", refusal(*a, "--against", *i1, "--paired"))
+    out = compare(ia, ib, paired=True)
+    assert out["paired_by"] == ["init_seed"] and out["varied_seed"] is None
+    assert out["b"]["runs"] == [str(tmp_path / f"ib{i}") for i in range(3)]
+    want = sp.ttest_rel([1.41, 1.39, 1.44], [1.46, 1.43, 1.47])
+    assert out["difference"]["p_value"] == pytest.approx(want.pvalue, rel=1e-9)
+    out = compare(i0, i1, paired=True)
+    assert (out["paired_by"], out["varied_seed"]) == (["seed", "data_seed"], "init_seed")
+    want = sp.ttest_rel([1.40, 1.41, 1.42], [1.43, 1.47, 1.45])
+    assert out["difference"]["p_value"] == pytest.approx(want.pvalue, rel=1e-9)
+    text = cli_in_process("compare", *i0, "--against", *i1, "--paired").stdout
+    assert "paired by --seed, --data-seed; the groups differ in --init-seed" in text
+    assert re.search(r"the groups differ in --init-seed \(0 against 1\) and in their settings \(train.lr\)",
+                     refusal(*i0, "--against", *lr, "--paired"))
+    assert snapshot(tmp_path) == before
+
+
+def test_one_run_counts_once(tmp_path):
+    """A run given twice, through a symlink, or as a copy of its directory (the same run id) is refused, not
+    counted as n = 3; a new run (its own id) of the same settings is another run."""
+    import shutil
+
+    a = [written_run(tmp_path, f"a{s}", 1.40 + 0.01 * s, seed=s) for s in range(2)]
+    b = [written_run(tmp_path, f"b{s}", 1.45 + 0.01 * s, seed=s) for s in range(2)]
+    (tmp_path / "link").symlink_to(a[0])
+    shutil.copytree(a[0], tmp_path / "copy")
+    before = snapshot(tmp_path)
+    for again, how in ((a[0], "the same directory"), (tmp_path / "link", "the same directory"),
+                       (tmp_path / "copy", "a copy of it \\(the same run id [0-9a-f]+\\)")):
+        assert re.search(rf"run {again} is {a[0]} again, {how}: each run counts once",
+                         refusal(*a[::-1], again, "--against", *b)), again
+    assert re.search(r"is .*b0 again", refusal(*a, "--against", *b, b[0]))
+    assert snapshot(tmp_path) == before
+    assert compare(a + [written_run(tmp_path, "a2", 1.42, seed=2)], b)["a"]["n"] == 3
+
+
+def test_unfinished_runs_are_refused_unless_allowed(tmp_path):
+    """A run whose last checkpoint is short of its steps, or whose run lock another process holds (it is training
+    now), is refused by name; --allow-unfinished compares the values the runs hold now and says at which step each
+    was read."""
+    from mlx_llm.runs.rundir import run_lock
+
+    a = [written_run(tmp_path, "a0", 1.40), written_run(tmp_path, "a1", 1.42, seed=1, steps=6, last=2)]
+    b = [written_run(tmp_path, f"b{s}", 1.45 + 0.01 * s, seed=s) for s in range(2)]
+    c = [written_run(tmp_path, f"c{s}", 1.47, seed=s) for s in range(2)]
+    before = snapshot(tmp_path)
+    assert re.search(r"run .*a1 is unfinished \(its last checkpoint is step 2 of its 6 steps\): compare finished "
+                     r"runs, or give --allow-unfinished", refusal(*a, "--against", *b))
+    out = compare(a, b, allow_unfinished=True)
+    assert out["a"]["steps"] == [4, 2] and out["b"]["steps"] == [4, 4] and out["a"]["mean"] == pytest.approx(1.41)
+    assert out["unfinished"] == {str(a[1]): "its last checkpoint is step 2 of its 6 steps"}
+    text = cli_in_process("compare", *a, "--against", *b, "--allow-unfinished").stdout
+    assert f"{a[1]}: read at step 2 (unfinished: its last checkpoint is step 2 of its 6 steps)" in text
+    assert f"{a[0]}: read at step 4\n" in text
+    with run_lock(b[1]):  # another open file holds the lock, as a training process would
+        assert re.search(r"run .*b1 is unfinished \(it is training now", refusal(*b, "--against", *c))
+    assert snapshot(tmp_path) == {**before, "b1/run.lock": snapshot(b[1])["run.lock"]}
+
+
+def test_read_errors_and_overflow_are_one_line_or_null(tmp_path):
+    """A byte that is not UTF-8 in metrics.jsonl is one line naming the file and line, not a traceback; values near
+    the float range give statistics that overflow, and --json prints them as null (valid JSON, no Infinity)."""
+    a = [written_run(tmp_path, f"a{s}", 1.4, seed=s) for s in range(2)]
+    b = [written_run(tmp_path, f"b{s}", v, seed=s) for s, v in enumerate([1e308, -1e308])]
+    with open(a[1] / "metrics.jsonl", "ab") as fh:
+        fh.write(b'{"step": 5, "val_bpb": "\xff"}\n')
+    assert re.search(rf"{a[1] / 'metrics.jsonl'}:3 cannot be read \(not UTF-8 text: byte 0xff", refusal(*a, "--against", *b))
+    a[1] = written_run(tmp_path, "a2", 1.5, seed=1)
+    huge = [written_run(tmp_path, f"h{s}", 1e308, seed=s) for s in range(2)]
+    outs = []
+    for group in (b, huge):
+        proc = cli_in_process("compare", *a, "--against", *group, "--json")
+        assert proc.returncode == 0 and proc.stderr == "", proc.stderr  # no warning per overflowing operation
+        outs.append(json.loads(proc.stdout, parse_constant=lambda c: pytest.fail(f"{c} is not JSON")))
+    assert outs[0]["b"]["mean"] == 0.0 and outs[0]["b"]["std"] is None and outs[0]["b"]["ci95"] == [None, None]
+    assert outs[0]["difference"]["mean"] == pytest.approx(1.45) and outs[0]["difference"]["ci95"] == [None, None]
+    assert outs[1]["b"]["mean"] is None and outs[1]["difference"]["mean"] is None  # 1e308 + 1e308 overflows
+    assert outs[1]["a"]["mean"] == pytest.approx(1.45) and outs[1]["difference"]["p_value"] is None
+
+
+def test_no_spread_has_one_documented_rule():
+    """Zero variance (every value of a group equal, or every paired difference equal, to within float rounding):
+    the interval is the point and p is 0 for a difference, 1 for none, flagged, in a group, Welch's test and the
+    paired test alike; differences equal only after rounding (1.4 - 1.3 and 1.3 - 1.2) follow the same rule."""
+    d = stats.paired([1.3, 1.4], [1.2, 1.3])
+    assert d.zero_variance and d.p_value == 0.0 and d.ci95 == (d.mean, d.mean) and d.mean == pytest.approx(0.1)
+    assert "no spread between pairs: p is 0 by convention; significant" in stats.verdict(d)
+    w = stats.welch([1.5, 1.5], [1.2, 1.2])
+    assert (w.zero_variance, w.p_value, w.ci95) == (True, 0.0, (w.mean, w.mean))
+    same = stats.paired([1.3, 1.4], [1.3, 1.4])
+    assert (same.zero_variance, same.p_value, same.significant) == (True, 1.0, False)
+    assert stats.welch([0.1 + 0.2, 0.3], [0.3, 0.3]).p_value == 1.0  # equal after rounding: no difference
+    flat = stats.summarize([0.1 + 0.2, 0.3])
+    assert flat.std == 0.0 and flat.ci95 == (flat.mean, flat.mean) and flat.mean == pytest.approx(0.3)
+    spread = stats.paired([1.3, 1.5], [1.2, 1.3])
+    assert not spread.zero_variance and spread.as_dict()["zero_variance"] is False and 0 < spread.p_value < 1
 
 
 def test_knobs_main_arms_reach_mlx_llm_train_as_their_settings(tmp_path, monkeypatch):

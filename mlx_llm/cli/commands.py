@@ -410,7 +410,8 @@ def cmd_compare(args, given: dict, parser) -> int:
     """Two groups of runs on one metric: a short table, or exactly one JSON object (``--json``)."""
     from mlx_llm.eval.compare import as_json, compare, table
 
-    result = compare(args.runs, args.against, args.metric, paired=args.paired)
+    result = compare(args.runs, args.against, args.metric, paired=args.paired,
+                     allow_unfinished=args.allow_unfinished)
     print(as_json(result) if args.json else table(result))
     return 0
 

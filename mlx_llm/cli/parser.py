@@ -158,8 +158,12 @@ def add_compare(sub) -> None:
                     help="the second group's run directories (the difference is first minus second)")
     cp.add_argument("--metric", default="val_bpb", help="the last value of this key in each run's metrics.jsonl (or "
                     "summary.json): val_bpb (default), val_loss, val_bpb/<source>, heldout_accuracy, …")
-    cp.add_argument("--paired", action="store_true", help="the paired t-test over runs matched by their seed (one "
-                    "run per seed in each group)")
+    cp.add_argument("--paired", action="store_true", help="the paired t-test over runs matched by their seeds "
+                    "(--seed, --init-seed, --data-seed; one run per seed in each group; a seed the groups differ in "
+                    "as wholes, nothing else differing, is what the comparison varies)")
+    cp.add_argument("--allow-unfinished", action="store_true", help="compare runs that are unfinished (training "
+                    "now, or stopped short of their steps) at the values they hold now, saying at which step each "
+                    "was read")
     cp.add_argument("--json", action="store_true", help="print exactly one JSON object")
     trust_flag(cp)
 

@@ -1,13 +1,16 @@
 """The validated settings of each run kind, stored whole in the run record (``run.json``) and read back on resume.
 
 Every field is documented in its ``metadata["help"]`` (``config.setting``): the CLI builds its flags from these
-fields (mlx_llm/cli), so a flag and its field cannot drift apart. Paths are stored absolute, so a resume from another directory finds
-the same files.
+fields (mlx_llm/cli), so a flag and its field cannot drift apart. Paths are stored absolute (``--data`` too, as
+``data_path`` writes it), so a resume from another directory finds the same files; a pretraining run's data also
+records its fingerprint (``DataSpec.fingerprint``), so the files themselves are checked, not their spelling.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 from pathlib import Path
 
 from mlx_llm.config import PARAM_COUNTS, JsonConfig, setting
@@ -25,6 +28,13 @@ DEFAULT_VOCAB = 1024  # the main job's BPE vocabulary (recipes.MAIN_JOB_VOCAB)
 
 def _absolute(path) -> str | None:
     return None if path is None else str(Path(path).resolve())
+
+
+def data_path(path) -> str | None:
+    """``--data PATH`` as a run records it: absolute (``~`` expanded, ``.`` and ``..`` folded), from the working
+    directory when relative; links are not followed, so a file keeps the name it was given (names decide the
+    split of record files and globs). None (the standard library) stays None."""
+    return None if path is None else os.path.abspath(os.path.expanduser(str(path)))
 
 
 def _check_int(owner, name: str, minimum: int, *, optional: bool = False) -> None:
@@ -69,10 +79,16 @@ class DataSpec(JsonConfig):
     vocab_size: int = setting(DEFAULT_VOCAB, "BPE vocabulary size (special tokens included); for .bin/.npy token "
                               "ids without --tokenizer, the model's vocabulary (above every id)")
     text_field: str = setting("text", "the field holding each record's text in JSONL, parquet and saved HF datasets")
+    fingerprint: str | None = setting(None, "SHA-256 of the files the data reads, taken when the run started "
+                                      "(data.corpora.data_identity): a resume, eval and compare check it; unset in "
+                                      "records written before it was kept", cli=False)
 
     def __post_init__(self) -> None:
-        if self.path is not None and not isinstance(self.path, str):
-            object.__setattr__(self, "path", str(self.path))
+        object.__setattr__(self, "path", data_path(self.path))
+        if self.fingerprint is not None and not (isinstance(self.fingerprint, str)
+                                                 and re.fullmatch(r"[0-9a-f]{64}", self.fingerprint)):
+            raise ConfigError(f"DataSpec.fingerprint = {self.fingerprint!r} is invalid: it is a SHA-256 in hex (64 "
+                              f"digits) written by the run, or unset")
         mixture = (self.mixture,) if isinstance(self.mixture, str) else tuple(self.mixture)
         object.__setattr__(self, "mixture", tuple(s.spec() for s in parse_sources(mixture)))
         if self.mixture and self.path is not None:

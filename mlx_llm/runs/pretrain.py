@@ -17,7 +17,7 @@ from mlx_llm.errors import ConfigError
 from mlx_llm.runs.branch import Branch, branch_configs, start_branch
 from mlx_llm.runs.configs import DataSpec, Sizing
 from mlx_llm.runs.record import RunRecord, write_run
-from mlx_llm.runs.resume import RESUME_MAY_CHANGE, Resume, given_configs, open_resume
+from mlx_llm.runs.resume import RESUME_MAY_CHANGE, Resume, check_data, given_configs, identified, open_resume
 from mlx_llm.runs.rundir import check_run_dir, locked_run_dir, run_info
 from mlx_llm.runs.sample import closing_sample
 from mlx_llm.settings import check_int
@@ -96,6 +96,21 @@ def start(run_dir: Path, cfg, tcfg, spec, resume, changes, from_step, branch, tr
     return cfg, tcfg, spec, None, None, {}
 
 
+def own_data(spec: DataSpec, resume: Resume | None, parent, log) -> DataSpec:
+    """The run's data as its record keeps it, checked before anything is written: a resume continues on the run's
+    own data and a branch on its parent's, each refused by name when the files changed since they were recorded
+    (``resume.check_data``); a new run (or a branch of a run that recorded no fingerprint) records the fingerprint
+    of what it reads now."""
+    if resume:
+        check_data(resume.run, log)
+        return spec
+    if parent is not None:
+        check_data(parent, log, "--branch-from continues a run")
+        if spec.fingerprint is not None:
+            return spec
+    return identified(spec)
+
+
 def train_run(run_dir, cfg: ModelConfig | None, tcfg: TrainConfig | None, spec: DataSpec | None, *,
               resume: bool | Resume = False, show_progress: bool = True, cache_dir=None, sample_prompt: str = "def ",
               sample_tokens: int = 200, time_budget: float | None = None, log=print, changes: dict | None = None,
@@ -103,14 +118,14 @@ def train_run(run_dir, cfg: ModelConfig | None, tcfg: TrainConfig | None, spec: 
               branch: Branch | None = None) -> dict:
     """Train (or resume) the run in ``run_dir``; returns the summary dict also written to summary.json.
 
-    Everything that can be checked (paths, lock, corpus, tokenizer, configs, the checkpoint to restore, device
-    split) is checked before the run directory is created or written, so a refused run leaves nothing behind; the
-    run then holds the directory's lock to its end. ``resume``: True, or the ``Resume`` the command line already
-    checked (runs/resume.py); ``changes`` sets fields of ``RESUME_MAY_CHANGE`` (``{"steps": N}`` extends a run,
-    see ``train.step.schedule_config``) and ``from_step`` continues from that checkpoint instead of the latest
-    (one after it is damaged, say); the checkpoints after it are set aside, not deleted. ``sizing`` sets a new
-    run's steps from its compute (``size_run``); ``branch`` starts a new run from a checkpoint of a wsd run, with
-    that run's settings (runs/branch.py); ``options``: ``loop.fit``'s.
+    Everything that can be checked (paths, lock, corpus and its fingerprint, tokenizer, configs, the checkpoint to
+    restore, device split) is checked before the run directory is created or written, so a refused run leaves
+    nothing behind; the run then holds the directory's lock to its end. ``resume``: True, or the ``Resume`` the
+    command line already checked (runs/resume.py); ``changes`` sets fields of ``RESUME_MAY_CHANGE`` (``{"steps":
+    N}`` extends a run, see ``train.step.schedule_config``) and ``from_step`` continues from that checkpoint instead
+    of the latest (one after it is damaged, say); the checkpoints after it are set aside, not deleted. ``sizing``
+    sets a new run's steps from its compute (``size_run``); ``branch`` starts a new run from a checkpoint of a wsd
+    run, with that run's settings (runs/branch.py); ``options``: ``loop.fit``'s.
     """
     run_dir, main = Path(run_dir), is_main_process()
     check_int("sample_tokens", sample_tokens, 0, reason="the closing sample's length must be an integer >= 0 "
@@ -120,6 +135,7 @@ def train_run(run_dir, cfg: ModelConfig | None, tcfg: TrainConfig | None, spec: 
     trust = bool(options is not None and options.trust_unverified)
     cfg, tcfg, spec, resume, parent, provenance = start(run_dir, cfg, tcfg, spec, resume, changes, from_step,
                                                         branch, trust)
+    spec = own_data(spec, resume, parent, log)
     data = open_data(parent.path if parent else run_dir, spec, tcfg.objective)
     tok = data.tokenizer
     cfg = finalize_config(cfg, tok, tcfg)

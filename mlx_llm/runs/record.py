@@ -14,6 +14,8 @@ is and where it comes from:
 - ``provenance``: where a merged or imported run came from, and what wrote the record;
 - ``checksums``: every checkpoint of the run carries a checksum manifest (train/checkpoint.py), so one without is
   refused; set by ``write_run``, absent (false) in runs written before manifests were written for every step.
+- ``run_id``: a random id the run gets when ``write_run`` writes it, kept by every later write (a resume) and by a
+  copy of the directory, so ``mlx-llm compare`` knows one run under two paths; absent (None) in older records.
 
 Records written before this schema (format 1: keys ``sft`` / ``post`` / ``merged_from`` / ``imported``) are read
 through ``migrate`` in memory; nothing is rewritten until the run itself writes its record again.
@@ -22,6 +24,7 @@ through ``migrate`` in memory; nothing is rewritten until the run itself writes 
 from __future__ import annotations
 
 import dataclasses
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +61,7 @@ class RunRecord:
     schedule_steps: int | None = None
     provenance: dict = dataclasses.field(default_factory=dict)
     checksums: bool = False
+    run_id: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KIND_CONFIGS:
@@ -75,7 +79,7 @@ class RunRecord:
                 "base": None if self.base is None else dataclasses.asdict(self.base),
                 "lora": None if self.lora is None else dataclasses.asdict(self.lora), "template": self.template,
                 "settings": self.settings.to_dict(), "schedule_steps": self.schedule_steps,
-                "provenance": self.provenance, "checksums": self.checksums}
+                "provenance": self.provenance, "checksums": self.checksums, "run_id": self.run_id}
 
     @classmethod
     def from_dict(cls, d: dict, *, source: str = "run.json") -> "RunRecord":
@@ -97,10 +101,16 @@ class RunRecord:
                    template=d.get("template"), settings=KIND_CONFIGS[kind].from_dict(d.get("settings") or {},
                                                                                       source=source),
                    schedule_steps=d.get("schedule_steps"), provenance=d.get("provenance") or {},
-                   checksums=d.get("checksums") is True)
+                   checksums=d.get("checksums") is True, run_id=_run_id(d.get("run_id"), source))
 
     def replace(self, **changes) -> "RunRecord":
         return dataclasses.replace(self, **changes)
+
+
+def _run_id(value, source: str) -> str | None:
+    if value is not None and not (isinstance(value, str) and value.isalnum()):
+        raise ConfigError(f"{source}: run_id = {value!r} is invalid: it is the id write_run gives a run (hex digits)")
+    return value
 
 
 # The settings format 1 kept beside the base reference, per kind (the rest were the base, LoRA and template).
@@ -179,9 +189,9 @@ def write_record(path: Path, record: RunRecord) -> None:
 def write_run(path: Path, cfg: ModelConfig, tcfg: TrainConfig, record: RunRecord) -> None:
     """The three files of a new run (``path`` is created if needed); run.json last, so a directory with a
     record has its configs. The record says its checkpoints carry checksum manifests (this version writes one for
-    each)."""
+    each) and gives the run a new id (``run_id``)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     cfg.to_json(path / CONFIG_FILE)
     tcfg.to_json(path / TRAIN_CONFIG_FILE)
-    write_record(path, record.replace(checksums=True))
+    write_record(path, record.replace(checksums=True, run_id=uuid.uuid4().hex))

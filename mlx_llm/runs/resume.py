@@ -9,6 +9,10 @@ recomputed (mesh, remat) and the execution paths, none of which changes a number
 the allowed changes, and checks the checkpoint it will restore, before anything is written. The ``ResumePlan`` it
 returns goes whole to the training loop (``train.loop.fit``), which records what the resume changed only once the
 checkpoint is restored.
+
+A pretraining run also continues on the data it trained on: ``check_data`` compares the fingerprint of what its
+``--data`` reads now with the one it recorded (``DataSpec.fingerprint``) and refuses a changed corpus by name; a
+``--data`` given on resume is compared as the absolute path the run recorded, so another spelling of it is the same.
 """
 
 from __future__ import annotations
@@ -17,7 +21,10 @@ import dataclasses
 from pathlib import Path
 
 from mlx_llm.config import TrainConfig
-from mlx_llm.errors import CheckpointError, ConfigError, ResumeMismatch
+from mlx_llm.data.corpora import data_identity
+from mlx_llm.data.text import stdlib_root
+from mlx_llm.errors import CheckpointError, ConfigError, DataError, ResumeMismatch
+from mlx_llm.runs.configs import DataSpec, data_path
 from mlx_llm.runs.record import TRAIN_CONFIG_FILE, Run, open_run, write_record
 from mlx_llm.runs.rundir import check_run_dir, checkpoints
 from mlx_llm.train.loop import ResumePlan
@@ -42,6 +49,7 @@ def given_configs(cfg=None, tcfg=None, spec=None) -> dict[str, dict]:
     for section, config in (("model", cfg), ("train", tcfg), ("data", spec)):
         if config is not None:
             out[section] = config.to_dict()
+    out.get("data", {}).pop("fingerprint", None)  # a setting of the record, not asked: ``check_data`` checks the data
     return out
 
 
@@ -56,9 +64,11 @@ def check_unchanged(run: Run, given: dict[str, dict], flags: dict[str, str] | No
             if section == "train" and name in RESUME_MAY_CHANGE:
                 continue
             saved = stored[section].get(name)
+            if section == "data" and name == "path":  # --data as the run records it: another spelling is the same
+                value = data_path(value)
             if _normal(value) != _normal(saved):
                 what = (flags or {}).get(f"{section}.{name}", f"{section}.{name}")
-                changed.append(f"{what} (given {_normal(value)!r}, the run has {_normal(saved)!r})")
+                changed.append(f"{what} (given {_shown(value)}, the run has {_shown(saved)})")
                 by_section.setdefault(section, {})[name] = (_normal(value), _normal(saved))
     if changed:
         may = ", ".join(sorted((flags or {}).get(f"train.{k}", k) for k in RESUME_MAY_CHANGE))
@@ -73,6 +83,51 @@ def _normal(value):
     if isinstance(value, tuple):
         return list(value)
     return str(Path(value).resolve()) if isinstance(value, Path) else value
+
+
+def _shown(value) -> str:
+    """A value in a refusal: its repr, or "it unset" (an unset seed is --seed's, not the value None)."""
+    return "it unset" if value is None else repr(_normal(value))
+
+
+# ----- the data a run trained on --------------------------------------------------------------------------------
+def identified(spec: DataSpec) -> DataSpec:
+    """``spec`` with the fingerprint of what it reads now: the data of a new run, as its record keeps it."""
+    return dataclasses.replace(spec, fingerprint=data_identity(spec).fingerprint)
+
+
+def _where(spec: DataSpec) -> str:
+    if spec.sources:
+        return "of the mixture " + ", ".join(f"{s.name}={s.path}" for s in spec.sources)
+    return f"at {spec.path}" if spec.path is not None else f"(the standard library's .py files under {stdlib_root()})"
+
+
+def data_change(run: Run) -> tuple[bool, str] | None:
+    """None when the data ``run`` names is what it recorded; else (whether it changed, in words): changed, or
+    unchecked because the record keeps no fingerprint (written before fingerprints were kept, or imported without
+    one). Reads the data's files."""
+    spec = run.record.data
+    if spec is None:
+        return None
+    if spec.fingerprint is None:
+        return False, (f"{run.path} records no fingerprint of its data (its run.json predates them, or it was "
+                       f"imported without one): the data {_where(spec)} is read as it is now, unchecked")
+    now = data_identity(spec)
+    if now.fingerprint == spec.fingerprint:
+        return None
+    return True, (f"the data {_where(spec)} changed since {run.path} recorded it (it recorded fingerprint "
+                  f"{spec.fingerprint[:12]}; now {now.describe()})")
+
+
+def check_data(run: Run, log=print, what: str = "--resume continues a run") -> None:
+    """Refuse, by name, a run whose data changed since it recorded it (a resume or a branch continues a run on its
+    own data); say so when it cannot be checked."""
+    change = data_change(run)
+    if change is not None and change[0]:
+        raise DataError(f"{what} on the data it trained on, and {change[1]}: put those files back, or train a new "
+                        f"run on these (another --out)")
+    if change is not None:
+        log(f"note: {change[1]}")
 
 
 @dataclasses.dataclass(frozen=True)
