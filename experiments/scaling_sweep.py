@@ -20,7 +20,10 @@ Outputs in ``--out``: ``sweep.json`` (the spec), ``sweep.csv`` (one row per run)
 directories), ``fit.json`` (Approach 3 with bootstrap intervals, Approach 2, and the held-out mode: both refitted
 without the largest budget, predicting its runs' losses and its compute-optimal N and loss with bootstrap
 intervals, against what it measured; ``scaling.sweep.fit_sweep``) and three plots. Rerunning the command on the
-same ``--out`` continues where it stopped (``run_sweep``); another grid there is refused by field name.
+same ``--out`` continues where it stopped (``run_sweep``); another grid there is refused by field name. SIGTERM or
+Ctrl-C stops the whole sweep, the point in training checkpointed at a step boundary, and prints the command that
+continues it (status 0; 130 when interrupted outside a point's training loop); a full disk stops it in one line
+(status 1).
 
     python -m experiments.scaling_sweep                 # the full sweep: 20 runs, 8 min on 2 idle CPU cores
     python -m experiments.scaling_sweep --quick         # CI: 15 tiny runs on the stdlib's json package
@@ -35,6 +38,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -44,9 +48,9 @@ import numpy as np
 from experiments import common
 from mlx_llm.config import ModelConfig, TrainConfig
 from mlx_llm.data import text as text_lib
-from mlx_llm.errors import MLXLLMError
+from mlx_llm.errors import CheckpointWriteError, MLXLLMError
 from mlx_llm.runs.configs import DataSpec
-from mlx_llm.runs.sweep import SPEC_FILE, TABLE_FILE, SweepSpec, import_ray, read_table, run_sweep
+from mlx_llm.runs.sweep import SPEC_FILE, TABLE_FILE, SweepSpec, SweepStopped, import_ray, read_table, run_sweep
 from mlx_llm.scaling.sweep import fit_sweep, flops_ratio, runs_of
 
 LR = 5e-2  # the best of --lr-scan at the smallest model and budget (docs/scaling-laws.md)
@@ -192,12 +196,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def sweep(args: argparse.Namespace, out: Path, grid: SweepSpec):
     """``run_sweep``, locally or, with ``--ray``, on the Ray cluster this connects to (and leaves afterwards)."""
+    again = getattr(args, "continue_with", None)
     if args.ray is None:
-        return run_sweep(grid, out, cache_dir=args.cache_dir)
+        return run_sweep(grid, out, cache_dir=args.cache_dir, continue_with=again)
     ray = import_ray()
     ray.init(address=args.ray or None)
     try:
-        return run_sweep(grid, out, runner="ray", cache_dir=args.cache_dir,
+        return run_sweep(grid, out, runner="ray", cache_dir=args.cache_dir, continue_with=again,
                          ray_options={"num_cpus": args.ray_cpus_per_task, "num_gpus": args.ray_gpus_per_task})
     finally:
         ray.shutdown()
@@ -220,10 +225,18 @@ def lr_scan(args, out: Path, grid: SweepSpec) -> int:
     return 0
 
 
+def continue_command(argv: list[str], out: Path) -> str:
+    """This command again, with ``--out`` named (the default directory is stamped with the time it started)."""
+    given = any(a == "--out" or a.startswith("--out=") for a in argv)
+    return shlex.join(["python", "-m", "experiments.scaling_sweep", *argv, *([] if given else ["--out", str(out)])])
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     args = parse_args(argv)
     grid, kind = (QUICK, "quick") if args.quick else (FULL, "full")
     out = args.out or common.REPO / "runs" / time.strftime("sweep-%Y%m%d-%H%M%S")
+    args.continue_with = continue_command(argv, out)
     t0 = time.perf_counter()
     try:
         if args.lr_scan:
@@ -234,9 +247,12 @@ def main(argv=None) -> int:
             table = read_table(out / TABLE_FILE)
         else:
             table = sweep(args, out, grid)
-    except MLXLLMError as exc:  # Ray missing, another grid in --out, failed points: one line, as the CLI does
+    except SweepStopped as stop:  # as `mlx-llm train` stops: its checkpoint, the command that continues
+        print(f"stopped: {stop}", file=sys.stderr)
+        return 0 if stop.clean else 130
+    except MLXLLMError as exc:  # Ray missing, another grid in --out, failed points, a full disk: one line
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return 1 if isinstance(exc, CheckpointWriteError) else 2
     bootstrap = BOOTSTRAP[kind] if args.bootstrap is None else args.bootstrap
     result = fit_sweep(table, bootstrap=bootstrap, grid=COARSE_GRID if args.quick else None)
     runs = runs_of(table)

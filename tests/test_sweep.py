@@ -1,8 +1,9 @@
 """The scaling sweep as a library call (mlx_llm.runs.sweep: SweepSpec, run_sweep; mlx_llm.scaling.sweep: its fits)
 and its command line (experiments/scaling_sweep.py, U19 §8): the grids' design without training; a small sweep
 whose points are ordinary runs, run twice (the second trains nothing), killed in the middle and finished, and
-refused under another spec by field name; one ``--quick`` sweep end to end with its fits (held out too) and plots;
-the committed results of the full sweep."""
+refused under another spec by field name; stopped by a signal (the whole sweep, its point checkpointed), by a
+full disk (one line), and its files damaged (one line each); one ``--quick`` sweep end to end with its fits (held
+out too) and plots; the committed results of the full sweep."""
 
 import dataclasses
 import importlib
@@ -17,11 +18,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mlx_llm.config import ModelConfig, TrainConfig
+from mlx_llm.config import SEED_MAX, ModelConfig, TrainConfig
 from mlx_llm.data import text as text_lib
-from mlx_llm.errors import ConfigError, InputError
+from mlx_llm.errors import CheckpointWriteError, ConfigError, DataError, InputError
+from mlx_llm.runs import sweep as sweep_lib
 from mlx_llm.runs.configs import DataSpec
-from mlx_llm.runs.sweep import (COLUMNS, TIMING, SweepSpec, points, read_table, run_sweep, training_compute)
+from mlx_llm.runs.sweep import (COLUMNS, TIMING, SweepSpec, SweepStopped, points, read_table, run_sweep,
+                                training_compute)
+from mlx_llm.runs.sweep_table import load_table, write_table
 from mlx_llm.scaling.accounting import steps_for_flops, train_flops_per_token
 from mlx_llm.scaling.laws import isoflop_fit
 from mlx_llm.scaling.sweep import fit_sweep, flops_ratio, isoflop_by_budget, runs_of
@@ -244,6 +248,214 @@ def test_a_killed_sweep_finishes_the_rest(small):
     rerun = _sweep_in_subprocess(out, root / "cache")
     assert f"{done[0]['name']}: in sweep.csv, skipped" in rerun.stdout
     assert snapshot(out / "runs" / done[0]["name"]) == first
+    assert _untimed(read_table(out / "sweep.csv")) == _untimed(read_table(root / "a" / "sweep.csv"))
+
+
+# ----- what a spec accepts, and what a refused sweep leaves -------------------------------------------------------
+@pytest.mark.parametrize("fields,message", [
+    ({"budgets": (1e8, math.inf)}, "budgets = \\[100000000.0, inf\\] is invalid: each must be a finite number > 0"),
+    ({"budgets": (), "tokens_per_param": (math.inf,)}, "tokens_per_param = \\[inf\\] is invalid"),
+    ({"lrs": (1e-3, math.inf)}, "lrs = \\[0.001, inf\\] is invalid"),
+    ({"lrs": (True, 1e-3)}, "lrs = \\[True, 0.001\\] is invalid"),
+    ({"seeds": (0, 2**64)}, f"seeds = \\[0, {2**64}\\] is invalid: integers in \\[0, {SEED_MAX}\\]"),
+    ({"seeds": (-1,)}, "seeds = \\[-1\\] is invalid"),
+    ({"batch_sizes": (8, 2**31)}, f"batch_sizes = \\[8, {2**31}\\] is invalid"),
+    ({"sizes": ("d_model",)}, "sizes\\[0\\] = 'd_model' is invalid: each size is a mapping"),
+    ({"windows": 5}, "windows = 5 is invalid"),
+])
+def test_every_field_is_checked_at_construction(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        dataclasses.replace(SMALL, **fields)
+
+
+def test_the_largest_seed_is_a_sweep_seed_and_a_bad_dict_is_one_line():
+    assert points(dataclasses.replace(SMALL, seeds=(SEED_MAX,)), 320)[0].tcfg.seed == SEED_MAX
+    with pytest.raises(ConfigError, match="unknown field\\(s\\) \\['budget'\\]"):
+        SweepSpec.from_dict({**SMALL.to_dict(), "budget": 1e8})
+    with pytest.raises(ConfigError, match="a sweep spec is a JSON object; got list"):
+        SweepSpec.from_dict([])
+
+
+def test_a_refused_sweep_writes_nothing(tmp_path):
+    """A spec refused once its data is opened (here: no such corpus) leaves no directory, and in an empty one it
+    was given nothing: the corrected spec then starts there as a new sweep (before, sweep.json stayed behind and
+    the corrected spec was refused as "another spec")."""
+    bad = dataclasses.replace(SMALL, data=dataclasses.replace(SMALL.data, path=str(tmp_path / "missing")))
+    with pytest.raises(DataError):
+        run_sweep(bad, tmp_path / "new", progress=False)
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError):
+        run_sweep(bad, tmp_path / "empty", progress=False)
+    assert list((tmp_path / "empty").iterdir()) == []
+    assert sweep_lib.check_spec(tmp_path / "empty", SMALL) is False  # the corrected spec is a new sweep there
+
+
+@pytest.mark.parametrize("text,message", [
+    ("[" * 100_000 + "]" * 100_000, "sweep.json:1: nested too deeply"),
+    ("[1, 2]", "holds a sweep of another spec: the whole spec differ"),
+    ('{"model": 1', "sweep.json:1: not valid JSON"),
+])
+def test_a_damaged_sweep_json_is_one_line_and_changes_nothing(tmp_path, text, message):
+    (tmp_path / "sweep.json").write_text(text)
+    before = snapshot(tmp_path)
+    with pytest.raises(ConfigError, match=message) as err:
+        run_sweep(SMALL, tmp_path, progress=False)
+    assert "\n" not in str(err.value) and snapshot(tmp_path) == before
+
+
+def _rows(n: int) -> list[dict]:
+    """``n`` rows of the small grid, with made-up measurements."""
+    out = []
+    for k, p in enumerate(points(SMALL, 320)[:n]):
+        out.append({"name": p.name, "budget": p.budget, "budget_unit": p.budget_unit, "budget_index": p.budget_index,
+                    "size_index": p.size_index, "seed": p.seed, "d_model": p.cfg.d_model, "n_layers": 1,
+                    "n_heads": 1, "d_ff": p.cfg.d_ff, "N": 1000 + k, "N_total": 2000 + k, "D": 256 * p.tcfg.steps,
+                    "C": training_compute(p.cfg, p.tcfg), "steps": p.tcfg.steps, "batch_size": 8, "seq_len": 32,
+                    "lr": 4e-3, "warmup_steps": 2, "loss": 5.0 - k / 3, "val_bpb": None if k else 2.0 / 3,
+                    "val_ppl": math.exp(5.0 - k / 3), "wall_seconds": 0.1 * k, "tokens_per_second": 1e4 / 3,
+                    "run": f"/runs/{p.name}"})
+    return out
+
+
+def test_the_table_round_trips_and_a_cut_row_never_counts(tmp_path):
+    """Rows come back exactly; a last row cut short (a kill while a version that appended in place wrote it) is
+    refused by read_table and dropped by run_sweep's reader (before, it counted as a finished point)."""
+    path = tmp_path / "sweep.csv"
+    write_table(path, _rows(3))
+    assert read_table(path) == _rows(3) and not list(tmp_path.glob(".sweep.csv.tmp*"))
+    text = path.read_text()
+    for cut in (text[:-1], text[:len(text) - 40]):  # the line end gone; the row cut inside a cell
+        path.write_text(cut)
+        with pytest.raises(DataError, match="its last line was cut short"):
+            read_table(path)
+        said = []
+        assert load_table(path, said.append) == _rows(2)
+        assert read_table(path) == _rows(2) and len(said) == 1 and "dropped" in said[0]
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda t: t.replace("4.666666666666667", "abc", 1), ":3: column loss holds 'abc', not a number"),
+    (lambda t: t.replace("flops,1,0,", "flops,1.5,0,", 1), ":4: column budget_index holds '1.5', not an integer"),
+    (lambda t: t.replace("name,", "nom,", 1), ":1: the header is not a sweep table's"),
+    (lambda t: t.replace(",/runs/C0-d24-L1-s0", "", 1), ":3: 24 cells where a row has 25"),
+    (lambda t: t.replace("flops", '"flops', 1), "not a CSV table|cells where a row has"),
+])
+def test_a_damaged_table_is_one_line(tmp_path, edit, message):
+    path = tmp_path / "sweep.csv"
+    write_table(path, _rows(3))
+    path.write_text(edit(path.read_text()))
+    with pytest.raises(DataError, match=message) as err:
+        read_table(path)
+    assert "\n" not in str(err.value)
+
+
+def test_a_damaged_summary_is_one_line(tmp_path):
+    (tmp_path / "tokenizer.json").write_text("{}")
+    point = points(SMALL, 320)[0]
+    run = tmp_path / "runs" / point.name
+    run.mkdir(parents=True)
+    (run / "summary.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(DataError, match="summary.json:1: nested too deeply.*remove .* to train it again"):
+        sweep_lib.train_point(tmp_path, point, SMALL.data)
+    (run / "summary.json").write_text('{"val_loss": "low"}')
+    with pytest.raises(DataError, match="\\['val_loss', 'val_ppl'\\] missing or not numbers"):
+        sweep_lib.train_point(tmp_path, point, SMALL.data)
+
+
+def test_a_full_disk_stops_the_sweep_in_one_line(tmp_path, monkeypatch):
+    """The second point's checkpoint write finds the disk full: the sweep stops there (before, every remaining
+    point failed the same way, each with its tracebacks), in one line naming the point and how to continue the
+    sweep (not `mlx-llm train`); the first point's row is written."""
+    calls, rows = [], {r["name"]: r for r in _rows(4)}
+
+    def fake_point(out, point, data, cache_dir=None):
+        calls.append(point.name)
+        if len(calls) == 2:
+            try:
+                raise OSError(28, "No space left on device")
+            except OSError:
+                raise CheckpointWriteError("no space left on device writing checkpoint 4 to somewhere") from None
+        return rows[point.name]
+
+    monkeypatch.setattr(sweep_lib, "train_point", fake_point)
+    with pytest.raises(CheckpointWriteError) as err:
+        run_sweep(SMALL, tmp_path / "s", progress=False, cache_dir=tmp_path / "cache",
+                  continue_with="python -m experiments.scaling_sweep --out s")
+    line = str(err.value)
+    assert calls == SMALL_NAMES[:2] and "\n" not in line and "mlx-llm train" not in line
+    assert line.startswith("no space left on device while point C0-d24-L1-s0 trained (it had no checkpoint, so "
+                           "none was kept); ")
+    assert line.endswith("free some space, then continue with `python -m experiments.scaling_sweep --out s`")
+    assert [r["name"] for r in read_table(tmp_path / "s" / "sweep.csv")] == SMALL_NAMES[:1]
+
+
+def test_the_command_says_how_to_continue(monkeypatch, tmp_path, capsys):
+    """experiments/scaling_sweep.py: a stop prints the command that continues (with --out named, the default
+    directory being stamped with its start time) and exits as `mlx-llm train` does: 0 after a checkpoint, 130
+    when interrupted; a full disk is one line and status 1."""
+    assert sweep_mod.continue_command(["--quick"], tmp_path) == \
+        f"python -m experiments.scaling_sweep --quick --out {tmp_path}"
+    assert sweep_mod.continue_command(["--out", "x y"], tmp_path) == "python -m experiments.scaling_sweep --out 'x y'"
+    for error, code in ((SweepStopped("stopped by SIGTERM at step 3", "SIGTERM", clean=True), 0),
+                        (SweepStopped("interrupted", "SIGINT", clean=False), 130),
+                        (CheckpointWriteError("no space left on device"), 1)):
+        def stopped(*args, error=error, **kwargs):
+            assert kwargs["continue_with"] == f"python -m experiments.scaling_sweep --quick --out {tmp_path}"
+            raise error
+
+        monkeypatch.setattr(sweep_mod, "run_sweep", stopped)
+        assert sweep_mod.main(["--quick", "--out", str(tmp_path)]) == code
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and str(error) in err
+
+
+# A sweep whose process gets SIGTERM (or SIGINT) at a chosen moment: at checkpoint save number N, or before point
+# number N is compiled (outside the training loop).
+SIGNALLED = SWEEP.replace("run_sweep(", """import os, signal
+from mlx_llm.runs import pretrain
+from mlx_llm.runs.sweep import SweepStopped
+from mlx_llm.train import checkpoint
+how, n, sig, count = sys.argv[4], int(sys.argv[5]), getattr(signal, sys.argv[6]), []
+def counted(original):
+    def call(*args, **kwargs):
+        count.append(1)
+        if len(count) == n:
+            os.kill(os.getpid(), sig)
+        return original(*args, **kwargs)
+    return call
+if how == "save":
+    checkpoint.Checkpoints.save = counted(checkpoint.Checkpoints.save)
+else:
+    pretrain.check_fits = counted(pretrain.check_fits)
+try:
+    run_sweep(""", 1).replace("cache_dir=Path(sys.argv[2]))", """cache_dir=Path(sys.argv[2]))
+except SweepStopped as stop:
+    print(f"STOPPED clean={stop.clean}: {stop}")""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how,n,sig,rows,expected", [
+    ("save", 3, "SIGTERM", 2, "stopped by SIGTERM at step 10 of 21 of point C1-d16-L1-s0; its checkpoint 10 is kept"),
+    ("save", 1, "SIGTERM", 1, "stopped by SIGTERM as point C0-d16-L1-s0 finished"),
+    ("fits", 2, "SIGINT", 1, "interrupted while point C0-d24-L1-s0 was prepared or trained"),
+])
+def test_a_signal_stops_the_whole_sweep(small, how, n, sig, rows, expected):
+    """SIGTERM while point 3 trains: it checkpoints at the next step boundary and the sweep stops (before, only
+    the point stopped, counted as failed, and the sweep trained the rest); SIGTERM during a point's last step:
+    that point finishes and is the last; Ctrl-C while point 2 compiles: interrupted at once, not a traceback.
+    Each names the command that continues; run again, the sweep finishes with the uninterrupted table."""
+    root, _ = small
+    out = root / f"signalled-{how}-{n}"
+    proc = python("-c", SIGNALLED, out, root / "cache", json.dumps(SMALL.to_dict()), how, n, sig)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stdout[-3000:] + proc.stderr[-3000:]
+    stopped = [line for line in proc.stdout.splitlines() if line.startswith("STOPPED")]
+    assert len(stopped) == 1 and f"clean={how != 'fits'}: {expected}" in stopped[0], proc.stdout[-3000:]
+    assert stopped[0].endswith(f"continue with `run_sweep with the same spec on {out}`")
+    done = read_table(out / "sweep.csv")
+    assert [r["name"] for r in done] == SMALL_NAMES[:rows]
+    assert not (out / "runs" / SMALL_NAMES[3]).exists()  # nothing after the stop was started
+    _sweep_in_subprocess(out, root / "cache")
     assert _untimed(read_table(out / "sweep.csv")) == _untimed(read_table(root / "a" / "sweep.csv"))
 
 

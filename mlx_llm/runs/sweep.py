@@ -1,208 +1,60 @@
-"""A scaling sweep as a library call: ``SweepSpec`` (the grid) and ``run_sweep(spec, out_dir)`` (the runs, and the
-table of what they measured).
+"""A scaling sweep as a library call: ``SweepSpec`` (the grid, runs/sweep_spec.py) and ``run_sweep(spec, out_dir)``
+(the runs, and the table of what they measured).
 
-A spec is a base model and a ladder of sizes (``sizes``: ModelConfig fields each size overrides), the compute
-budgets (``budgets`` in exact training FLOPs, or ``tokens_per_param`` ratios), which sizes each budget trains
-(``windows``, default all), the batch per budget, the peak learning rate per size (``lrs``, default the recipe's),
-the seeds, the training recipe (a ``TrainConfig``) and the data (a ``DataSpec``). Every point is an ordinary
-pretraining run, trained by the one driver (``runs.pretrain.train_run``) into ``<out>/runs/<name>``, so
-``mlx-llm eval``, ``compare`` and ``export`` read it like any other run. Its steps are the library's sizing
-(``accounting.steps_for_flops`` / ``steps_for_tokens_per_param``), so a point means the same on every machine;
-its warmup is min(recipe's warmup, max(2, steps // 10), steps); it evaluates and checkpoints at its end (and every
-``checkpoint_interval`` steps when the recipe's is shorter).
+Every point of the spec (``points``: its steps, warmup and checkpoints) is an ordinary pretraining run, trained by
+the one driver (``runs.pretrain.train_run``) into ``<out>/runs/<name>``, so ``mlx-llm eval``, ``compare`` and
+``export`` read it like any other run.
 
 ``run_sweep`` writes ``<out>/sweep.json`` (the spec), ``<out>/tokenizer.json`` (a BPE trained once on the train
 split, shared by every point through the token cache) and ``<out>/sweep.csv`` (one row per finished point, in the
-order they finish). Run again on the same directory it trains only what is missing: a point with a row is skipped,
-a point whose run finished but whose row was not written (a kill in between) gets its row from the run's
-summary.json, and a half-trained point resumes from its last checkpoint (from its start when it had none). A
-different spec is refused, naming the fields that differ. ``runner="ray"`` trains the points as Ray tasks (the
-``sweep`` extra), each with the same function as the local runner (``train_point``).
+order they finish; rewritten whole and atomically with each row, runs/sweep_table.py). Run again on the same
+directory it trains only what is missing: a point with a row is skipped, a point whose run finished but whose row
+was not written (a kill in between) gets its row from the run's summary.json, and a half-trained point resumes
+from its last checkpoint (from its start when it had none). A different spec is refused, naming the fields that
+differ; a sweep refused or failing before its first point leaves nothing in a directory it created.
+
+Stops: SIGTERM or SIGINT (Ctrl-C) while a point trains stops that point at its next step boundary with a
+checkpoint there (the training loop's own stop) and then the whole sweep: ``SweepStopped`` (``clean``) names the
+point, the step and ``continue_with``, the command that continues the sweep (one during a point's last step lets
+that point finish, the last one started). A signal anywhere else (compiling,
+encoding the corpus, between points; a second signal) interrupts at once: ``SweepStopped``, not ``clean``, the
+last checkpoint of every point kept. A full disk stops the sweep in one ``CheckpointWriteError`` line; any other
+failure of a point is reported in one line and the sweep goes on (``SweepError`` at its end). ``runner="ray"``
+trains the points as Ray tasks (the ``sweep`` extra), each with the same function as the local runner
+(``train_point``); a stop cancels the tasks in flight.
 """
 
 from __future__ import annotations
 
 import contextlib
-import csv
 import dataclasses
 import io
-import json
 import shutil
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from mlx_llm.config import PARAM_COUNTS, ModelConfig, TrainConfig
 from mlx_llm.data import tokenizer as tok_lib
 from mlx_llm.data.corpora import open_data
-from mlx_llm.errors import ConfigError, DataError, MLXLLMError
+from mlx_llm.errors import CheckpointWriteError, ConfigError, DataError, MLXLLMError
 from mlx_llm.runs.configs import DataSpec
 from mlx_llm.runs.pretrain import train_run
 from mlx_llm.runs.record import CONFIG_FILE
-from mlx_llm.scaling.accounting import steps_for_flops, steps_for_tokens_per_param, train_flops_per_token
-from mlx_llm.settings import write_json_atomic
+from mlx_llm.runs.sweep_spec import Point, SweepSpec, points, training_compute
+from mlx_llm.runs.sweep_table import COLUMNS, TIMING, as_table, load_table, read_table, write_table
+from mlx_llm.settings import JsonProblem, read_json, write_json_atomic
+from mlx_llm.train.checkpoint import Checkpoints, disk_full
+from mlx_llm.train.loop import TrainingStopped
 from mlx_llm.train.metrics import SUMMARY_FILE
+
+__all__ = ["COLUMNS", "TIMING", "Point", "SweepError", "SweepSpec", "SweepStopped", "as_table", "points",
+           "read_table", "run_sweep", "train_point", "training_compute"]
 
 SPEC_FILE, TABLE_FILE = "sweep.json", "sweep.csv"
 RUNNERS = ("local", "ray")
-COLUMNS = ("name", "budget", "budget_unit", "budget_index", "size_index", "seed", "d_model", "n_layers", "n_heads",
-           "d_ff", "N", "N_total", "D", "C", "steps", "batch_size", "seq_len", "lr", "warmup_steps", "loss", "val_bpb",
-           "val_ppl", "wall_seconds", "tokens_per_second", "run")
-TIMING = ("wall_seconds", "tokens_per_second")  # the columns that differ between two sweeps of one spec
-_INTS = ("budget_index", "size_index", "seed", "d_model", "n_layers", "n_heads", "d_ff", "N", "N_total", "D", "steps",
-         "batch_size", "seq_len", "warmup_steps")
-_TEXT = ("name", "budget_unit", "run")
-
-
-def _tuple(value) -> tuple:
-    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
-
-
-@dataclasses.dataclass(frozen=True)
-class SweepSpec:
-    """The grid of a scaling sweep (see the module docstring): ``model`` (the base; its ``vocab_size`` becomes the
-    tokenizer's), ``sizes`` (ModelConfig fields per size, smallest model first; empty: the base alone), exactly one
-    of ``budgets`` (exact training FLOPs) and ``tokens_per_param`` (with ``param_count``), ``windows`` (per budget,
-    the indices of the sizes it trains; None: all), ``batch_sizes`` (per budget; None: the recipe's), ``lrs`` (per
-    size; None: the recipe's), ``seeds``, ``train`` (the recipe) and ``data``."""
-
-    model: ModelConfig
-    sizes: tuple[dict, ...] = ()
-    budgets: tuple[float, ...] = ()
-    tokens_per_param: tuple[float, ...] = ()
-    param_count: str = "total"
-    windows: tuple[tuple[int, ...], ...] | None = None
-    batch_sizes: tuple[int, ...] | None = None
-    lrs: tuple[float, ...] | None = None
-    seeds: tuple[int, ...] = (0,)
-    train: TrainConfig = TrainConfig()
-    data: DataSpec = DataSpec()
-
-    def __post_init__(self) -> None:
-        fix = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
-        fix("sizes", tuple(dict(s) for s in self.sizes))
-        for name in ("budgets", "tokens_per_param", "seeds"):
-            fix(name, _tuple(getattr(self, name)))
-        for name in ("batch_sizes", "lrs"):
-            if getattr(self, name) is not None:
-                fix(name, _tuple(getattr(self, name)))
-        if self.windows is not None:
-            fix("windows", tuple(_tuple(w) for w in self.windows))
-        for name, cls in (("model", ModelConfig), ("train", TrainConfig), ("data", DataSpec)):
-            if not isinstance(getattr(self, name), cls):
-                raise ConfigError(f"SweepSpec.{name} must be a {cls.__name__}; got {type(getattr(self, name)).__name__}")
-        if bool(self.budgets) == bool(self.tokens_per_param):
-            raise ConfigError("SweepSpec: give exactly one of budgets (training FLOPs) and tokens_per_param; got "
-                              f"budgets = {list(self.budgets)}, tokens_per_param = {list(self.tokens_per_param)}")
-        for name in ("budgets", "tokens_per_param"):
-            bad = [v for v in getattr(self, name) if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0]
-            if bad:
-                raise ConfigError(f"SweepSpec.{name} = {list(getattr(self, name))} is invalid: each must be a number > 0")
-        if self.param_count not in PARAM_COUNTS:
-            raise ConfigError(f"SweepSpec.param_count = {self.param_count!r} is invalid: valid counts are "
-                              f"{list(PARAM_COUNTS)}")
-        n_budgets, n_sizes = len(self.budget_values), max(1, len(self.sizes))
-        for name, length, what in (("windows", n_budgets, "budget"), ("batch_sizes", n_budgets, "budget"),
-                                   ("lrs", n_sizes, "size")):
-            value = getattr(self, name)
-            if value is not None and len(value) != length:
-                raise ConfigError(f"SweepSpec.{name} has {len(value)} entries: give one per {what} ({length})")
-        for k, window in enumerate(self.windows or ()):
-            bad = [i for i in window if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n_sizes]
-            if bad or not window or len(set(window)) != len(window):
-                raise ConfigError(f"SweepSpec.windows[{k}] = {list(window)} is invalid: distinct size indices in "
-                                  f"[0, {n_sizes})")
-        for name, minimum in (("batch_sizes", 1), ("seeds", 0)):
-            bad = [v for v in getattr(self, name) or () if isinstance(v, bool) or not isinstance(v, int) or v < minimum]
-            if bad:
-                raise ConfigError(f"SweepSpec.{name} = {list(getattr(self, name))} is invalid: integers >= {minimum}")
-        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
-            raise ConfigError(f"SweepSpec.seeds = {list(self.seeds)} is invalid: give distinct seeds")
-        if self.lrs is not None and not all(isinstance(v, (int, float)) and v > 0 for v in self.lrs):
-            raise ConfigError(f"SweepSpec.lrs = {list(self.lrs)} is invalid: each must be a number > 0")
-        for i in range(n_sizes):
-            self.size_config(i)  # every size is a valid model (ModelConfig's own message names the field)
-
-    @property
-    def budget_values(self) -> tuple[float, ...]:
-        return self.budgets or self.tokens_per_param
-
-    @property
-    def budget_unit(self) -> str:
-        return "flops" if self.budgets else "tokens_per_param"
-
-    def size_config(self, i: int, vocab_size: int | None = None) -> ModelConfig:
-        """The model of size ``i`` (the base with its overrides), with ``vocab_size`` when given."""
-        fields = dict(self.sizes[i]) if self.sizes else {}
-        unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(ModelConfig)})
-        if unknown:
-            raise ConfigError(f"SweepSpec.sizes[{i}] sets unknown ModelConfig field(s) {unknown}")
-        if vocab_size is not None:
-            fields |= {"vocab_size": vocab_size, "vocab_used": None}
-        return dataclasses.replace(self.model, **fields)
-
-    def to_dict(self) -> dict:
-        """The spec as JSON: what ``sweep.json`` holds and what a rerun is compared with."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        out |= {"model": self.model.to_dict(), "train": self.train.to_dict(), "data": self.data.to_dict()}
-        return json.loads(json.dumps(out))
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "SweepSpec":
-        return cls(**{**data, "model": ModelConfig.from_dict(data["model"]), "train": TrainConfig.from_dict(
-            data["train"]), "data": DataSpec.from_dict(data["data"])})
-
-
-@dataclasses.dataclass(frozen=True)
-class Point:
-    """One run of a sweep: its name (the run directory's), budget (and its index), size index, seed, and the
-    model and train configs it trains with."""
-
-    name: str
-    budget_index: int
-    budget: float
-    budget_unit: str
-    size_index: int
-    seed: int
-    cfg: ModelConfig
-    tcfg: TrainConfig
-
-
-def _size_labels(spec: SweepSpec, vocab_size: int) -> list[str]:
-    """d{d_model}-L{n_layers} per size, prefixed by the size's index when two sizes share it."""
-    cfgs = [spec.size_config(i, vocab_size) for i in range(max(1, len(spec.sizes)))]
-    labels = [f"d{c.d_model}-L{c.n_layers}" for c in cfgs]
-    return labels if len(set(labels)) == len(labels) else [f"n{i}-{lab}" for i, lab in enumerate(labels)]
-
-
-def points(spec: SweepSpec, vocab_size: int) -> list[Point]:
-    """Every run of the sweep, budget by budget (sizes in window order, then seeds), with its steps from the
-    library's sizing (module docstring)."""
-    out = []
-    labels = _size_labels(spec, vocab_size)
-    prefix = "C" if spec.budgets else "R"
-    rec = spec.train
-    for k, budget in enumerate(spec.budget_values):
-        batch = spec.batch_sizes[k] if spec.batch_sizes else rec.batch_size
-        for i in (spec.windows[k] if spec.windows else range(len(labels))):
-            cfg = spec.size_config(i, vocab_size)
-            if spec.budgets:
-                steps = steps_for_flops(cfg, rec.seq_len, batch, budget)
-            else:
-                steps = steps_for_tokens_per_param(cfg, rec.seq_len, batch, budget, spec.param_count)
-            for seed in spec.seeds:
-                tcfg = dataclasses.replace(
-                    rec, batch_size=batch, steps=steps, seed=seed, lr=spec.lrs[i] if spec.lrs else rec.lr,
-                    warmup_steps=min(rec.warmup_steps, max(2, steps // 10), steps), eval_interval=steps,
-                    checkpoint_interval=min(rec.checkpoint_interval, steps), log_interval=min(rec.log_interval, steps))
-                out.append(Point(f"{prefix}{k}-{labels[i]}-s{seed}", k, float(budget), spec.budget_unit, i, seed, cfg,
-                                 tcfg))
-    return out
-
-
-def training_compute(cfg: ModelConfig, tcfg: TrainConfig) -> float:
-    """C of a run: exact training FLOPs, ``train_flops_per_token`` × the D tokens it reads."""
-    return train_flops_per_token(cfg, tcfg.seq_len) * tcfg.steps * tcfg.batch_size * tcfg.seq_len
+SUMMARY_KEYS = ("val_loss", "val_ppl")  # what a point's row needs of its summary.json
 
 
 def _row(point: Point, summary: dict, run_dir: Path, wall: float) -> dict:
@@ -228,6 +80,10 @@ def _quiet(*args, **kwargs) -> None:
     return None
 
 
+def _quiet(*args, **kwargs) -> None:
+    return None
+
+
 def train_point(out, point: Point, data: DataSpec, cache_dir=None) -> dict:
     """Train one point into ``<out>/runs/<name>`` (resuming a half-trained run; a finished one is only read) and
     return its table row. The same function runs locally and as a Ray task (maybe on another machine: ``out``
@@ -237,9 +93,8 @@ def train_point(out, point: Point, data: DataSpec, cache_dir=None) -> dict:
         raise DataError(f"{str(out / tok_lib.TOKENIZER_FILE)!r} does not exist here: the sweep's directory must be "
                         f"on a filesystem the driver and this worker share")
     run_dir = out / "runs" / point.name
-    summary_path = run_dir / SUMMARY_FILE
-    if summary_path.is_file():  # finished, but its row was not written
-        summary = json.loads(summary_path.read_text())
+    if (run_dir / SUMMARY_FILE).is_file():  # finished, but its row was not written
+        summary = _read_summary(run_dir / SUMMARY_FILE)
         return _row(point, summary, run_dir, float(summary.get("wall_seconds", 0.0)))
     if run_dir.is_dir() and not (run_dir / CONFIG_FILE).is_file():  # killed while its first files were written
         shutil.rmtree(run_dir)
@@ -251,45 +106,18 @@ def train_point(out, point: Point, data: DataSpec, cache_dir=None) -> dict:
     return _row(point, summary, run_dir, time.perf_counter() - t0)
 
 
-# ----- the table on disk ---------------------------------------------------------------------------------------
-def _typed(row: dict) -> dict:
-    out = {}
-    for k, v in row.items():
-        if k in _TEXT:
-            out[k] = v
-        elif v in ("", "None", None):
-            out[k] = None
-        else:
-            out[k] = int(float(v)) if k in _INTS else float(v)
-    return out
-
-
-def read_table(path) -> list[dict]:
-    """The rows of a sweep's CSV, typed (ints, floats, strings)."""
-    path = Path(path)
-    if not path.is_file():
-        return []
-    with path.open(newline="") as fh:
-        return [_typed(r) for r in csv.DictReader(fh)]
-
-
-def _append(path: Path, row: dict) -> None:
-    new = not path.is_file()
-    with path.open("a", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=COLUMNS)
-        if new:
-            writer.writeheader()
-        writer.writerow({k: repr(v) if isinstance(v, float) else v for k, v in row.items()})
-        fh.flush()
-
-
-def as_table(rows: list[dict]):
-    """A pandas DataFrame of the rows when pandas is installed, else the list itself."""
+def _read_summary(path: Path) -> dict:
+    """A finished point's summary.json, read with bounded cost; one ``DataError`` line when it is not usable."""
     try:
-        import pandas
-    except ImportError:
-        return rows
-    return pandas.DataFrame(rows, columns=list(COLUMNS))
+        summary = read_json(path)
+    except JsonProblem as exc:
+        raise DataError(f"{exc}: the point's run is damaged; remove {path.parent} to train it again") from None
+    bad = [k for k in SUMMARY_KEYS if not isinstance(summary, dict) or isinstance(summary.get(k), bool)
+           or not isinstance(summary.get(k), (int, float))]
+    if bad:
+        raise DataError(f"{path}: {bad} missing or not numbers: the point's run is damaged; remove {path.parent} "
+                        f"to train it again")
+    return summary
 
 
 # ----- the spec on disk ------------------------------------------------------------------------------------------
@@ -302,18 +130,18 @@ def _differences(asked, saved, prefix: str = "") -> list[str]:
 
 def check_spec(out: Path, spec: SweepSpec) -> bool:
     """Whether ``out`` already holds this sweep (True), or is new (False); a sweep of another spec is refused,
-    naming the fields that differ."""
+    naming the fields that differ. ``sweep.json`` is read with bounded cost (``settings.read_json``)."""
     path = out / SPEC_FILE
     if not path.is_file():
-        if out.is_dir() and any(out.iterdir()):
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
             raise ConfigError(f"{str(out)!r} is not empty and holds no {SPEC_FILE}: give run_sweep a new directory "
                               f"or one it swept before")
         return False
     try:
-        saved = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{path} cannot be read ({exc}): it is not a sweep's spec") from None
-    diff = _differences(spec.to_dict(), saved)
+        saved = read_json(path)
+    except JsonProblem as exc:
+        raise ConfigError(f"{exc}: it is not a sweep's spec") from None
+    diff = _differences(spec.to_dict(), saved) if isinstance(saved, dict) else ["the whole spec"]
     if diff:
         raise ConfigError(f"{str(out)!r} holds a sweep of another spec: {', '.join(diff)} differ(s) from its "
                           f"{SPEC_FILE}; run the same spec to continue it, or give another directory")
@@ -323,6 +151,16 @@ def check_spec(out: Path, spec: SweepSpec) -> bool:
 # ----- the sweep -------------------------------------------------------------------------------------------------
 class SweepError(MLXLLMError):
     """Points of a sweep failed; the rows of the others are written."""
+
+
+class SweepStopped(MLXLLMError):
+    """A sweep stopped by SIGTERM / SIGINT (module docstring): ``clean`` when the point in training stopped at a
+    step boundary with its checkpoint (as ``mlx-llm train`` does, status 0), else interrupted (status 130); the
+    message names what was kept and the command that continues the sweep."""
+
+    def __init__(self, message: str, signal_name: str, clean: bool):
+        super().__init__(message)
+        self.signal_name, self.clean = signal_name, clean
 
 
 def prepare(out: Path, spec: SweepSpec, cache_dir=None, log=print):
@@ -338,64 +176,182 @@ def prepare(out: Path, spec: SweepSpec, cache_dir=None, log=print):
     return tok
 
 
+@contextlib.contextmanager
+def _opened(out: Path, spec: SweepSpec, say):
+    """The sweep's directory for this spec: an existing sweep of it, or a new one (``sweep.json`` written). A new
+    sweep that fails or is interrupted before this block ends leaves nothing: the directory it created is removed
+    (what it wrote in an empty one it was given)."""
+    if check_spec(out, spec):
+        say(f"continuing the sweep in {out}")
+        yield
+        return
+    existed = out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(out / SPEC_FILE, spec.to_dict())
+        yield
+    except BaseException:
+        for child in ([out] if not existed else list(out.iterdir())):
+            shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink(missing_ok=True)
+        raise
+
+
 def run_sweep(spec: SweepSpec, out_dir, *, runner: str = "local", progress: bool = True, cache_dir=None,
-              ray_options: dict | None = None, log: Callable[[str], Any] | None = None):
+              ray_options: dict | None = None, log: Callable[[str], Any] | None = None,
+              continue_with: str | None = None):
     """Train every point of ``spec`` not yet in ``out_dir`` (module docstring) and return the whole table: one row
     per point in grid order (``COLUMNS``: name, budget, N, N_total, D, C, seed, loss (final val loss, nats per
     token), val_bpb, wall_seconds, the run directory, …), as a pandas DataFrame when pandas is installed, else a
     list of dicts. ``runner``: "local" (one run after another in this process) or "ray" (one Ray task per point,
     on the cluster this process is connected to, or a local one started and stopped here; ``ray_options`` are the
     tasks' resources, default ``{"num_cpus": 1}``). ``progress``: one line per point (``log``, default print).
-    Points that fail are reported in one line each and raise ``SweepError`` once the others are written."""
+    ``continue_with``: the command that continues the sweep, named when it stops (default: run_sweep again).
+    Points that fail are reported in one line each and raise ``SweepError`` once the others are written; a stop
+    raises ``SweepStopped``, a full disk ``CheckpointWriteError``."""
+    if not isinstance(spec, SweepSpec):
+        raise ConfigError(f"run_sweep needs a SweepSpec; got {type(spec).__name__}")
     if runner not in RUNNERS:
         raise ConfigError(f"runner = {runner!r} is invalid: valid runners are {list(RUNNERS)}")
     ray = import_ray() if runner == "ray" else None
     out = Path(out_dir)
     say = (log or print) if progress else _quiet
-    if check_spec(out, spec):
-        say(f"continuing the sweep in {out}")
-    else:
-        out.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(out / SPEC_FILE, spec.to_dict())
-    tok = prepare(out, spec, cache_dir, say)
-    grid = points(spec, tok.vocab_size)
-    table_path = out / TABLE_FILE
-    done = {r["name"]: r for r in read_table(table_path)}
-    todo = [j for j, p in enumerate(grid) if p.name not in done]
-    for j, p in enumerate(grid):
-        if p.name in done:
-            say(f"[{j + 1}/{len(grid)}] {p.name}: in {TABLE_FILE}, skipped")
-    if runner == "local":
-        results = ((j, _attempt(train_point, out, grid[j], spec.data, cache_dir)) for j in todo)
-    else:
-        results = _ray_results(ray, grid, todo, out, spec.data, cache_dir, ray_options or {"num_cpus": 1})
-    failed = []
-    for j, row in results:
-        if isinstance(row, BaseException):
-            failed.append(grid[j].name)
-            say(f"[{j + 1}/{len(grid)}] {grid[j].name}: failed: {_one_line(row)}")
-            continue
-        _append(table_path, row)
-        done[row["name"]] = row
-        say(f"[{j + 1}/{len(grid)}] {row['name']}: N = {row['N_total']:,}, D = {row['D']:,}, {row['steps']} steps, "
-            f"loss {row['loss']:.4f}, {row['wall_seconds']:.1f} s")
+    hint = continue_with or f"run_sweep with the same spec on {out}"
+    with _stopping(out, hint) as stops:
+        with _opened(out, spec, say):
+            tok = prepare(out, spec, cache_dir, say)
+            grid = points(spec, tok.vocab_size)
+        table_path = out / TABLE_FILE
+        rows = load_table(table_path, say)
+        done = {r["name"]: r for r in rows}
+        todo = [j for j, p in enumerate(grid) if p.name not in done]
+        for j, p in enumerate(grid):
+            if p.name in done:
+                say(f"[{j + 1}/{len(grid)}] {p.name}: in {TABLE_FILE}, skipped")
+        if runner == "local":
+            results = _local_results(grid, todo, out, spec.data, cache_dir, stops)
+        else:
+            results = _ray_results(ray, grid, todo, out, spec.data, cache_dir, ray_options or {"num_cpus": 1}, stops)
+        failed = []
+        with contextlib.closing(results):
+            for j, row in results:
+                if isinstance(row, BaseException):
+                    if isinstance(row, TrainingStopped) or _disk_full(row):
+                        stops.point = grid[j]
+                        raise row
+                    failed.append(grid[j].name)
+                    say(f"[{j + 1}/{len(grid)}] {grid[j].name}: failed: {_one_line(row)}")
+                    continue
+                rows.append(row)
+                write_table(table_path, rows)
+                done[row["name"]] = row
+                say(f"[{j + 1}/{len(grid)}] {row['name']}: N = {row['N_total']:,}, D = {row['D']:,}, "
+                    f"{row['steps']} steps, loss {row['loss']:.4f}, {row['wall_seconds']:.1f} s")
+        if stops.received and len(done) < len(grid):  # it came as a point finished: the sweep stops here
+            raise SweepStopped(f"stopped by {stops.received} as point {stops.point.name} finished (its row is in "
+                               f"{table_path}); {len(grid) - len(done)} points are left; continue with `{hint}`",
+                               stops.received, clean=True)
     if failed:
         raise SweepError(f"{len(failed)} of {len(todo)} points failed ({', '.join(failed)}); the other rows are in "
                          f"{table_path}, and run_sweep on the same directory retries only these")
     return as_table([done[p.name] for p in grid])
 
 
+def _local_results(grid: list[Point], todo: list[int], out: Path, data: DataSpec, cache_dir,
+                   stops: _Stops) -> Iterator[tuple[int, dict | BaseException]]:
+    """The points of ``todo`` trained one after another here, until a stop signal was noted."""
+    for j in todo:
+        if stops.received:
+            return
+        stops.point = grid[j]
+        yield j, _attempt(train_point, out, grid[j], data, cache_dir)
+
+
 def _attempt(fn, *args):
-    """``fn(*args)``, or the error it raised (a failed point is reported and the sweep goes on)."""
+    """``fn(*args)``, or the error it raised (a failed point is reported and the sweep goes on, unless it stopped:
+    a signal, a full disk)."""
     try:
         return fn(*args)
     except (MLXLLMError, OSError, FloatingPointError, ValueError) as exc:
         return exc
 
 
+def _disk_full(exc: BaseException) -> bool:
+    return disk_full(exc) or "no space left on device" in str(exc).lower()
+
+
 def _one_line(exc: BaseException) -> str:
     lines = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+
+
+# ----- how a sweep stops -----------------------------------------------------------------------------------------
+class _Stops:
+    """SIGTERM and SIGINT while a sweep runs (installed from the main thread only; the previous handlers are
+    restored). Outside a point's training loop a signal interrupts at once (KeyboardInterrupt); inside it the loop's
+    own handler stops the point at a step boundary and notes the signal here too (``stop_noticed``), so a point
+    that finished anyway (the signal came during its last step) is the last one the sweep starts. ``point`` is the
+    point being trained."""
+
+    def __init__(self):
+        self.received: str | None = None
+        self.point: Point | None = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> "_Stops":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self) for sig in (signal.SIGTERM, signal.SIGINT)}
+        return self
+
+    def __call__(self, signum, frame) -> None:
+        self.stop_noticed(signal.Signals(signum).name)
+        raise KeyboardInterrupt
+
+    def stop_noticed(self, name: str) -> None:
+        self.received = self.received or name
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def _stopping(out: Path, hint: str):
+    """A sweep under ``_Stops``: a point's ``TrainingStopped`` and a KeyboardInterrupt become ``SweepStopped``, a
+    full disk one ``CheckpointWriteError`` line, each naming the point and the command that continues."""
+    with _Stops() as stops:
+        try:
+            yield stops
+        except TrainingStopped as stop:
+            point = stops.point
+            kept = f"its checkpoint {stop.step} is kept" if stop.step else "it had no checkpoint yet"
+            raise SweepStopped(f"stopped by {stop.signal_name} at step {stop.step} of {point.tcfg.steps} of point "
+                               f"{point.name}; {kept}, and the finished points' rows are in {out / TABLE_FILE}; "
+                               f"continue with `{hint}`", stop.signal_name, clean=True) from None
+        except KeyboardInterrupt:
+            point = stops.point
+            if point is None:
+                kept = "before any point trained (a new sweep's directory is removed)"
+            else:
+                kept = (f"while point {point.name} was prepared or trained; every point's last checkpoint is kept, "
+                        f"and the finished points' rows are in {out / TABLE_FILE}")
+            raise SweepStopped(f"interrupted {kept}; continue with `{hint}`", stops.received or "SIGINT",
+                               clean=False) from None
+        except (MLXLLMError, OSError) as exc:
+            if not _disk_full(exc):
+                raise
+            raise CheckpointWriteError(_disk_full_message(out, stops.point, hint)) from None
+
+
+def _disk_full_message(out: Path, point: Point | None, hint: str) -> str:
+    free = shutil.disk_usage(out).free if out.exists() else 0
+    if point is None:
+        what = f"no space left on device writing the sweep in {out}"
+    else:
+        steps = Checkpoints.steps_in(out / "runs" / point.name)
+        kept = f"its checkpoint {steps[-1]} is intact" if steps else "it had no checkpoint, so none was kept"
+        what = f"no space left on device while point {point.name} trained ({kept})"
+    return (f"{what}; {free / 1e6:,.1f} MB are free there; the sweep stopped, and the finished points' rows are in "
+            f"{out / TABLE_FILE}; free some space, then continue with `{hint}`")
 
 
 # ----- Ray: one task a point ---------------------------------------------------------------------------------------
@@ -409,11 +365,12 @@ def import_ray():
 
 
 def _ray_results(ray, grid: list[Point], todo: list[int], out: Path, data: DataSpec, cache_dir,
-                 options: dict) -> Iterator[tuple[int, dict | BaseException]]:
+                 options: dict, stops: _Stops) -> Iterator[tuple[int, dict | BaseException]]:
     """One task a point of ``todo`` on the cluster this process is connected to (else on a local one, shut down
     afterwards); yields (index, row or the task's error) in grid order, each as soon as it and the points before it
-    have finished, so an interrupted driver keeps every finished prefix."""
-    started = not ray.is_initialized()
+    have finished, so an interrupted driver keeps every finished prefix. Closed early (a stop), it cancels the
+    tasks still in flight (Ray raises KeyboardInterrupt in a running one)."""
+    started, pending = not ray.is_initialized(), []
     if started:
         ray.init()
     try:
@@ -422,11 +379,15 @@ def _ray_results(ray, grid: list[Point], todo: list[int], out: Path, data: DataS
         refs = {task.remote(str(out.resolve()), grid[j], data, cache): j for j in todo}
         pending, finished = list(refs), {}
         for j in todo:
+            stops.point = grid[j]
             while j not in finished:
                 ready, pending = ray.wait(pending, num_returns=1)
                 finished[refs[ready[0]]] = _ray_get(ray, ready[0])
             yield j, finished.pop(j)
     finally:
+        for ref in pending:
+            with contextlib.suppress(Exception):
+                ray.cancel(ref)
         if started:
             ray.shutdown()
 

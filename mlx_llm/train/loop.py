@@ -156,6 +156,9 @@ class StopSignals:
         return self
 
     def _handle(self, signum, frame) -> None:
+        notice = getattr(self._previous.get(signum), "stop_noticed", None)
+        if notice is not None:  # an outer handler that keeps its own note of a stop (a sweep: runs/sweep.py)
+            notice(signal.Signals(signum).name)
         if self.received is None:
             self.received = signal.Signals(signum).name
         elif self._critical:
