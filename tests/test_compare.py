@@ -319,7 +319,8 @@ def test_one_run_counts_once(tmp_path):
 def test_unfinished_runs_are_refused_unless_allowed(tmp_path):
     """A run whose last checkpoint is short of its steps, or whose run lock another process holds (it is training
     now), is refused by name; --allow-unfinished compares the values the runs hold now and says at which step each
-    was read."""
+    was read. A run whose command ended there on purpose (a time limit: its summary.json ends at its last
+    checkpoint) is finished, unless it was extended since."""
     from mlx_llm.runs.rundir import run_lock
 
     a = [written_run(tmp_path, "a0", 1.40), written_run(tmp_path, "a1", 1.42, seed=1, steps=6, last=2)]
@@ -337,6 +338,11 @@ def test_unfinished_runs_are_refused_unless_allowed(tmp_path):
     with run_lock(b[1]):  # another open file holds the lock, as a training process would
         assert re.search(r"run .*b1 is unfinished \(it is training now", refusal(*b, "--against", *c))
     assert snapshot(tmp_path) == {**before, "b1/run.lock": snapshot(b[1])["run.lock"]}
+    (a[1] / "summary.json").write_text(json.dumps({"steps": 2, "val_bpb": 1.42}))  # ended by max_seconds at step 2
+    assert compare(a, b)["a"]["steps"] == [4, 2]
+    record = json.loads((a[1] / "run.json").read_text())
+    (a[1] / "run.json").write_text(json.dumps({**record, "schedule_steps": 2}))  # then extended to 6 steps
+    assert re.search(r"run .*a1 is unfinished \(its last checkpoint is step 2 of its 6", refusal(*a, "--against", *b))
 
 
 def test_read_errors_and_overflow_are_one_line_or_null(tmp_path):

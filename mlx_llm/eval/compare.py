@@ -8,8 +8,9 @@ runs record their held-out task accuracy), with the step it was read at. What is
 the run, before any statistic is computed:
 
 - a run given twice: the same directory (its path resolved, links followed) or a copy of it (the same run id);
-- an unfinished run (its last checkpoint short of its steps, or its run lock held: it is training now), unless
-  ``allow_unfinished``, which compares the values the runs hold now and says at which step each was read;
+- an unfinished run (its last checkpoint short of its steps, unless its command ended there on purpose, or its
+  run lock held: it is training now), unless ``allow_unfinished``, which compares the values the runs hold now
+  and says at which step each was read;
 - runs whose metric was not measured on the same validation data: the same data (its fingerprint, whatever its
   path is called; the absolute path for runs recorded before fingerprints were kept), the same split settings
   (``--val-percent``, extensions, text field, a mixture's sources and weights), the same ``--eval-tokens`` cap
@@ -99,15 +100,27 @@ def _last_row(path: Path, name: str) -> dict | None:
 # ----- what each run is -------------------------------------------------------------------------------------------
 def unfinished(run: Run) -> str | None:
     """Why ``run`` is not finished, in words (None when it is): another process trains in it (its run lock is
-    held), or its last checkpoint is short of its steps. Merged and imported runs are written whole."""
+    held), or its last checkpoint is short of its steps, unless the command that trained it ended there on purpose
+    (a time limit, ``max_seconds``: its summary.json ends at that checkpoint) and it was never extended. Merged and
+    imported runs are written whole."""
     if run.kind not in TRAINED_KINDS:
         return None
     if _locked(run.path):
         return f"it is training now (another process holds {run.path / LOCK_FILE})"
     last, steps = run.latest_step(), run.tcfg.steps
-    if last is None or last < steps:
-        return f"its last checkpoint is {'none' if last is None else f'step {last}'} of its {steps} steps"
-    return None
+    if last is not None and (last >= steps or (run.record.schedule_steps is None and _ended_at(run) == last)):
+        return None
+    return f"its last checkpoint is {'none' if last is None else f'step {last}'} of its {steps} steps"
+
+
+def _ended_at(run: Run) -> int | None:
+    """The step the run's summary.json says its last command ended at (None: no readable summary)."""
+    try:
+        summary = read_json(run.path / SUMMARY_FILE)
+    except JsonProblem:
+        return None
+    steps = summary.get("steps") if isinstance(summary, dict) else None
+    return steps if isinstance(steps, int) and not isinstance(steps, bool) else None
 
 
 def _locked(path: Path) -> bool:
