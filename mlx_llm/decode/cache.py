@@ -7,6 +7,8 @@ the call's layers share (``Call``). The layer writes and reads through the view 
 - ``KVSpec`` without a window → ``KVCache``: slot s of row b holds absolute position s (``max_len`` slots);
 - ``KVSpec`` with a window W → ``RingCache``: W slots, position p in slot p mod W, so the state stops growing once
   the prefix is longer than the window;
+- ``KVSpec`` without a window, in a paged state (``Pages``) → ``PagedKVCache``: fixed-size pages of one pool, a
+  page table per row (the state's), a reserved padding page;
 - ``SlotSpec`` → ``SlotState``: the mixer's own fixed-size arrays per sequence (Mamba: conv window, SSM state).
 
 ``allocate`` picks the store by the declaration's type, so a new mixer kind that declares one of
@@ -15,14 +17,18 @@ these needs no line here; a new kind of storage (pages) is a new entry.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from mlx_llm.errors import InputError
 from mlx_llm.kernels import Kernels
 from mlx_llm.kernels import attention as kernel_attention
+from mlx_llm.kernels.paged_attention import PADDING_PAGE, paged_attention  # noqa: F401  (re-exported)
 from mlx_llm.layers.state_spec import KVSpec, SlotSpec
 from mlx_llm.ops import attention
 
@@ -39,7 +45,9 @@ class Call(NamedTuple):
     """What every layer of one cached call shares: the real new tokens per row (B,), the slot each new position
     of a ``KVCache`` is written to (B, T; ``max_len`` = dropped) and the slots each new query reads (B, T, S);
     ``fresh``: the cache is empty (a prefill), so attention is self-attention over the new tokens by the path
-    ``kernels`` names; ``rings``: the ring bookkeeping per window W of the call's ``RingCache`` stores."""
+    ``kernels`` names; ``rings``: the ring bookkeeping per window W of the call's ``RingCache`` stores. A paged
+    state adds each row's length before the call (B,), its page table (B, n) and, for each new position, the page
+    and offset it is written to (B, T; padding: page P, out of range, so dropped)."""
 
     n_new_B: jax.Array
     slots_BT: jax.Array
@@ -47,6 +55,10 @@ class Call(NamedTuple):
     fresh: bool
     kernels: Kernels
     rings: dict
+    lengths_B: jax.Array | None = None
+    page_table_BN: jax.Array | None = None
+    page_BT: jax.Array | None = None
+    offset_BT: jax.Array | None = None
 
 
 def ring_call(window: int, lengths_B, n_new_B, t: int) -> RingCall:
@@ -72,17 +84,27 @@ def ring_call(window: int, lengths_B, n_new_B, t: int) -> RingCall:
                     slots_BT=jnp.where(kept_BT, jnp.mod(q_BT, w), w))
 
 
-def call_of(stores: dict, lengths_B, n_new_B, t: int, max_len: int, *, fresh: bool, kernels: Kernels) -> Call:
+def call_of(stores: dict, lengths_B, n_new_B, t: int, max_len: int, *, fresh: bool, kernels: Kernels,
+            page_table_BN=None) -> Call:
     """The ``Call`` of T new tokens per row (the first ``n_new_B[b]`` of row b real) after ``lengths_B``: new token
     t of row b sits at position lengths[b] + t, is written to that slot when real, and reads slot s iff
-    s ≤ lengths[b] + t and s < lengths[b] + n_new_B[b]."""
+    s ≤ lengths[b] + t and s < lengths[b] + n_new_B[b]. With a page table, position p of row b is written to page
+    ``page_table[b, p // page_size]`` at offset ``p % page_size``."""
     t_T, s_S = jnp.arange(t, dtype=jnp.int32), jnp.arange(max_len, dtype=jnp.int32)
     positions_BT = lengths_B[:, None] + t_T[None, :]
     mask_BTS = (s_S <= positions_BT[:, :, None]) & (s_S < (lengths_B + n_new_B)[:, None, None])
-    slots_BT = jnp.where(t_T[None, :] < n_new_B[:, None], positions_BT, max_len)
+    real_BT = t_T[None, :] < n_new_B[:, None]
+    slots_BT = jnp.where(real_BT, positions_BT, max_len)
     windows = {s.window for s in stores.values() if isinstance(s, RingCache)}
     rings = {w: ring_call(w, lengths_B, n_new_B, t) for w in sorted(windows)}
-    return Call(n_new_B, slots_BT, mask_BTS, fresh, kernels, rings)
+    paged = [s for s in stores.values() if isinstance(s, PagedKVCache)]
+    if not paged:
+        return Call(n_new_B, slots_BT, mask_BTS, fresh, kernels, rings)
+    size, n_pages = paged[0].page_size, paged[0].kv.shape[1]
+    column_BT = jnp.minimum(positions_BT // size, page_table_BN.shape[1] - 1)
+    page_BT = jnp.where(real_BT, jnp.take_along_axis(page_table_BN, column_BT, axis=1), n_pages)
+    return Call(n_new_B, slots_BT, mask_BTS, fresh, kernels, rings, lengths_B, page_table_BN, page_BT,
+                jnp.mod(positions_BT, size))
 
 
 def _write(store_LBSGK, l, slots_BT, x_BTGK):
@@ -176,6 +198,65 @@ class RingView(NamedTuple):
         return o_BTHK, self._replace(store=store)
 
 
+# ----- keys and values in pages of one pool -----------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Pages:
+    """A paged KV pool: ``count`` pages of ``size`` positions each, shared by every sequence of the state; page
+    ``PADDING_PAGE`` (0) is reserved (unused page-table entries point to it; it holds no position)."""
+
+    count: int
+    size: int
+
+    def __post_init__(self) -> None:
+        for name, value, low in (("count", self.count, 2), ("size", self.size, 1)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+                raise InputError(f"Pages.{name} = {value!r} is invalid: it must be an integer ≥ {low}"
+                                 + (" (page 0 is the padding page)" if name == "count" else ""))
+
+
+@flax.struct.dataclass
+class PagedKVCache:
+    """Full-attention layers' keys and values in pages: (L, P, page_size, 2·G, K), key head g at 2g and value head g
+    at 2g + 1 (the layout of the TPU kernel, ``kernels/paged_attention.py``). Which pages hold a row's positions is
+    the state's page table, shared by every paged layer."""
+
+    kv: jax.Array
+
+    @property
+    def page_size(self) -> int:
+        return self.kv.shape[2]
+
+    @classmethod
+    def allocate(cls, spec: KVSpec, n_layers: int, pages: Pages, dtype) -> "PagedKVCache":
+        return cls(kv=jnp.zeros((n_layers, pages.count, pages.size, 2 * spec.heads, spec.width), dtype))
+
+    def view(self, l, call: Call) -> "PagedView":
+        return PagedView(self, l, call)
+
+
+class PagedView(NamedTuple):
+    """Layer l's view of a ``PagedKVCache`` in one call."""
+
+    store: PagedKVCache
+    l: jax.Array | int
+    call: Call
+
+    def attend(self, q_BTHK, k_BTGK, v_BTGK, *, cap=None):
+        """Write the new K̃/𝖵 into their pages, then each new query reads its row's pages (``paged_attention``; a
+        prefill into an empty state reads the new tokens only, by the call's attention path)."""
+        b, t, g, k = k_BTGK.shape
+        kv_BTCK = jnp.stack([k_BTGK, v_BTGK], axis=3).reshape(b, t, 2 * g, k).astype(self.store.kv.dtype)
+        kv = self.store.kv.at[self.l, self.call.page_BT, self.call.offset_BT].set(kv_BTCK, mode="drop")
+        call = self.call
+        if call.fresh:
+            o_BTHK = kernel_attention.attention(q_BTHK, k_BTGK, v_BTGK, None, causal=True, kernels=call.kernels,
+                                                cap=cap)
+        else:
+            o_BTHK = paged_attention(q_BTHK, kv[self.l], call.page_table_BN, call.lengths_B, call.n_new_B,
+                                     kernels=call.kernels, cap=cap)
+        return o_BTHK, self._replace(store=PagedKVCache(kv=kv))
+
+
 # ----- a fixed-size state per sequence ----------------------------------------------------------------
 @flax.struct.dataclass
 class SlotState:
@@ -211,8 +292,10 @@ class SlotView(NamedTuple):
         return self._replace(store=SlotState(arrays=new))
 
 
-def allocate(spec, n_layers: int, batch: int, max_len: int, dtype):
-    """The store that serves ``spec`` for ``n_layers`` layers."""
+def allocate(spec, n_layers: int, batch: int, max_len: int, dtype, pages: Pages | None = None):
+    """The store that serves ``spec`` for ``n_layers`` layers: full attention in ``pages`` when given."""
+    if isinstance(spec, KVSpec) and spec.window is None and pages is not None:
+        return PagedKVCache.allocate(spec, n_layers, pages, dtype)
     if isinstance(spec, KVSpec):
         store = KVCache if spec.window is None else RingCache
     elif isinstance(spec, SlotSpec):

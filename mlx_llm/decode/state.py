@@ -39,8 +39,9 @@ class DecodeState:
     """The state of every layer after ``lengths[b]`` positions of row b.
 
     stores: mixer kind → its store (``decode/cache.py``), every array of it stacked over the layers of that kind
-    with batch on axis 1 (``reorder_rows``). lengths: (B,) int32. ``max_len`` bounds the positions the state
-    serves (a ring or a recurrent state holds fewer).
+    with batch on axis 1 (``reorder_rows``) — a paged store's pool has no batch axis: its rows are the page table's.
+    lengths: (B,) int32. ``max_len`` bounds the positions the state serves (a ring or a recurrent state holds
+    fewer). page_table: (B, n) int32 when the full-attention layers are paged (``init_cache(pages=…)``), else None.
 
     ``k``/``v`` (L_attn, B, S, G, K), ``k_ring``/``v_ring`` (L_local, B, W, G, K) and ``conv`` (L_mamba, B, W−1, I) /
     ``ssm`` (L_mamba, B, I, N) read the first store of each type (``store_of``; None, or no layers for ``k``/``v``,
@@ -50,6 +51,7 @@ class DecodeState:
     stores: dict
     lengths: jax.Array
     max_len: int = flax.struct.field(pytree_node=False)
+    page_table: jax.Array | None = None  # (B, n) int32 with paged full-attention layers: row b's pages in order
 
     def store_of(self, store_type) -> object | None:
         """The first store of type ``store_type`` (``cache.KVCache``, ``cache.RingCache``, ``cache.SlotState``),
@@ -112,20 +114,43 @@ def kind_index(cfg: ModelConfig) -> list[int]:
     return out
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> DecodeState:
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32,
+               pages: cache_lib.Pages | None = None) -> DecodeState:
     """An empty decode state: zeros (K/V are never read before written; zero conv window and SSM state are
     the padding before the first token) and lengths 0. Each mixer kind's store is what its ``state_spec``
-    declares (``cache.allocate``)."""
+    declares (``cache.allocate``). ``pages``: the full-attention layers keep their keys and values in that pool,
+    and each row gets a page table of ⌈max_len / page size⌉ entries, all the padding page until pages are
+    assigned (``assign_pages``)."""
     for name, value in (("batch", batch), ("max_len", max_len)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise InputError(f"init_cache: {name} = {value!r} is invalid: it must be a positive integer")
     stores = {kind: cache_lib.allocate(MIXERS[kind].state_spec(cfg, kind), len(_layers_of(cfg, kind)), batch,
-                                       max_len, dtype) for kind in mixer_kinds(cfg)}
-    return DecodeState(lengths=jnp.zeros((batch,), jnp.int32), stores=stores, max_len=int(max_len))
+                                       max_len, dtype, pages) for kind in mixer_kinds(cfg)}
+    paged = any(isinstance(s, cache_lib.PagedKVCache) for s in stores.values())
+    table = jnp.full((batch, -(-max_len // pages.size)), cache_lib.PADDING_PAGE, jnp.int32) if paged else None
+    return DecodeState(lengths=jnp.zeros((batch,), jnp.int32), stores=stores, max_len=int(max_len), page_table=table)
+
+
+def assign_pages(state: DecodeState, page_table) -> DecodeState:
+    """The state with the page table ``page_table`` (B, n): row b's position p lives in page ``page_table[b, p //
+    page size]``. Checked on the host: integers in [1, pages) (page 0 is the padding page) where a row will hold
+    positions; two rows may share a page only for a prefix they both hold (the caller's promise)."""
+    if state.page_table is None:
+        raise InputError("assign_pages: this state has no paged layers (init_cache(..., pages=Pages(...)))")
+    table = np.asarray(page_table)
+    count = next(s for s in state.stores.values() if isinstance(s, cache_lib.PagedKVCache)).kv.shape[1]
+    if table.shape != state.page_table.shape or not np.issubdtype(table.dtype, np.integer):
+        raise InputError(f"assign_pages: page_table must be integers of shape {state.page_table.shape}; got "
+                         f"{table.dtype} {table.shape}")
+    if (table < 0).any() or (table >= count).any():
+        raise InputError(f"assign_pages: page ids must be in [0, {count}); got {int(table.min())} … {int(table.max())}")
+    return state.replace(page_table=jnp.asarray(table, jnp.int32))
 
 
 def reorder_rows(state: DecodeState, rows) -> DecodeState:
     """The state of rows ``rows`` (a gather along the batch axis of every array: beam search, repeats)."""
+    if state.page_table is not None:
+        raise InputError("reorder_rows: a paged state's rows are its page table; share or copy pages instead")
     return state.replace(stores=jax.tree.map(lambda a: a[:, rows], state.stores), lengths=state.lengths[rows])
 
 
@@ -200,7 +225,8 @@ def forward_cached(params: Params, tokens_BT, cache: DecodeState, cfg: ModelConf
     n_new_B = jnp.full((b,), t, jnp.int32) if n_new_B is None else jnp.asarray(n_new_B, jnp.int32)
     _check_capacity(cache, n_new_B, t)
     kernels = resolved(kernels)
-    call = cache_lib.call_of(cache.stores, cache.lengths, n_new_B, t, cache.max_len, fresh=fresh, kernels=kernels)
+    call = cache_lib.call_of(cache.stores, cache.lengths, n_new_B, t, cache.max_len, fresh=fresh, kernels=kernels,
+                             page_table_BN=cache.page_table)
     positions_BT = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     ctx = Context(positions_BT, None, kernels=kernels, tokens_BT=tokens_BT)
     h_BTD, stores = embed(params, tokens_BT, cfg), cache.stores
