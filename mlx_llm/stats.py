@@ -100,8 +100,10 @@ class Difference:
         return self.p_value < SIGNIFICANCE
 
     def as_dict(self) -> dict:
-        return {"mean": self.mean, "ci95": list(self.ci95), "p_value": self.p_value, "test": self.test,
-                "zero_variance": self.zero_variance}
+        """The JSON of the difference; ``zero_variance: true`` only where the no-spread rule decided (absent
+        otherwise, so results files written before the rule existed read the same)."""
+        out = {"mean": self.mean, "ci95": list(self.ci95), "p_value": self.p_value, "test": self.test}
+        return {**out, "zero_variance": True} if self.zero_variance else out
 
 
 @_overflow_quietly()

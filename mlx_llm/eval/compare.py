@@ -269,7 +269,7 @@ def _varied_seed(a: list[Run], b: list[Run], between: list[str]) -> str | None:
 def compare(a_paths, b_paths, metric: str = DEFAULT_METRIC, *, paired: bool = False,
             allow_unfinished: bool = False) -> dict:
     """The comparison as ``mlx-llm compare --json`` prints it: {"metric", "a": {"runs", "steps", "n", "mean",
-    "std", "ci95"}, "b": {…}, "difference": {"mean", "ci95", "p_value", "test", "zero_variance"}}, with
+    "std", "ci95"}, "b": {…}, "difference": {"mean", "ci95", "p_value", "test"[, "zero_variance"]}}, with
     "paired_by" and "varied_seed" when paired and "unfinished" ({run: why}) when ``allow_unfinished`` let such
     runs in. ``steps``: the step each run's value was read at."""
     a_runs, b_runs = _group(a_paths, "the first group"), _group(b_paths, "the --against group")
@@ -304,7 +304,7 @@ def table(result: dict) -> str:
                     f"  sd {g['std']:.4f}  [{g['ci95'][0]:.4f}, {g['ci95'][1]:.4f}]")
     d = result["difference"]
     rows.append("  difference " + stats.verdict(stats.Difference(d["mean"], tuple(d["ci95"]), d["p_value"],
-                                                                 d["test"], d["zero_variance"])))
+                                                                 d["test"], d.get("zero_variance", False))))
     if "paired_by" in result:
         by = ", ".join(SEEDS[k] for k in result["paired_by"]) or "nothing (one run per group)"
         varied = f"; the groups differ in {SEEDS[result['varied_seed']]}" if result["varied_seed"] else ""
