@@ -222,8 +222,19 @@ def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write a text file atomically (a crash never leaves half a file)."""
+    """Write a text file atomically (a crash never leaves half a file; a failed write, a full disk, leaves
+    neither the file changed nor its temporary)."""
+    replace_atomic(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def replace_atomic(path: str | os.PathLike, write) -> None:
+    """``write(tmp)`` fills a temporary beside ``path``, which then replaces ``path`` in one step; if the write
+    fails, the temporary is removed and ``path`` is as it was."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -4,12 +4,13 @@ rl, …). Flags are generated from the configs (cli/flags.py, cli/parser.py); co
 Every user error (an ``MLXLLMError``, a bad flag, an unreadable file) prints one line naming the problem and
 the fix on stderr and exits with status 2, without a traceback; nothing already written is overwritten. A
 training run stopped by SIGTERM / SIGINT checkpoints at the next step boundary and exits 0; a checkpoint that
-cannot be written (a full disk) exits 1; Ctrl-C outside a training loop exits 130.
+cannot be written, or any write meets a full disk, exits 1; Ctrl-C outside a training loop exits 130.
 Importing this package imports no jax (``mlx-llm --help`` answers at once).
 """
 
 from __future__ import annotations
 
+import errno
 import signal
 import sys
 
@@ -19,6 +20,17 @@ from mlx_llm.cli.parser import build_parser
 from mlx_llm.errors import CheckpointWriteError, MLXLLMError
 
 __all__ = ["build_parser", "main"]
+
+
+def os_error_line(exc: OSError, command: str) -> str:
+    """An ``OSError`` as one line: what failed, on which file when it names one; a full disk says how to go on."""
+    where = f" ({exc.filename})" if exc.filename else ""
+    line = f"{exc.strerror or exc}{where}"
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        kept = "; the last checkpoint is kept (continue with --resume)" if command in TRAINING else ""
+        target = str(exc.filename) if exc.filename else "a file"
+        line = f"no space left on device writing {target}: free some space{kept}"
+    return line
 
 
 def main(argv=None) -> int:
@@ -35,7 +47,9 @@ def main(argv=None) -> int:
     except MLXLLMError as exc:
         print(f"mlx-llm {args.command}: error: {exc}", file=sys.stderr)
     except OSError as exc:
-        print(f"mlx-llm {args.command}: error: {exc.strerror or exc} ({exc.filename or ''})", file=sys.stderr)
+        print(f"mlx-llm {args.command}: error: {os_error_line(exc, args.command)}", file=sys.stderr)
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # a write failed: status 1, as for a checkpoint
+            return 1
     except KeyboardInterrupt:
         kept = "; the last checkpoint is kept (continue with --resume)" if args.command in TRAINING else ""
         print(f"mlx-llm {args.command}: interrupted{kept}", file=sys.stderr)

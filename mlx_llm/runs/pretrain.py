@@ -7,24 +7,26 @@ holds the directory's lock to its end.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 from pathlib import Path
 
 import jax
 
 from mlx_llm.config import INT32_MAX, ModelConfig, TrainConfig
 from mlx_llm.data.corpora import open_data
-from mlx_llm.errors import ConfigError
+from mlx_llm.errors import CheckpointWriteError, ConfigError
 from mlx_llm.runs.branch import Branch, branch_configs, start_branch
 from mlx_llm.runs.configs import DataSpec, Sizing
 from mlx_llm.runs.record import RunRecord, write_run
 from mlx_llm.runs.resume import RESUME_MAY_CHANGE, Resume, check_data, given_configs, identified, open_resume
 from mlx_llm.runs.rundir import check_run_dir, locked_run_dir, run_info
 from mlx_llm.runs.sample import closing_sample
-from mlx_llm.settings import check_int
+from mlx_llm.settings import check_int, write_text_atomic
 from mlx_llm.scaling.accounting import param_count, steps_for_flops, steps_for_tokens_per_param, train_flops_per_token
 from mlx_llm.train.lm import finalize_config, fit_time_budget, train_loop, with_steps
 from mlx_llm.train.loop import ResumePlan
-from mlx_llm.train.metrics import METRICS_FILE, PLOT_FILE, plot_losses, write_summary
+from mlx_llm.train.metrics import METRICS_FILE, PLOT_FILE, SUMMARY_FILE, plot_losses, write_summary
 from mlx_llm.train.parallel import check_batch_divisible, gather_to_host, is_main_process, make_mesh, sync
 from mlx_llm.train.preflight import check_fits
 from mlx_llm.train.step import schedule_config
@@ -186,17 +188,38 @@ def finish_run(run_dir: Path, out: dict, cfg: ModelConfig, tcfg: TrainConfig, to
     summary = {**out["summary"], "unigram_val_bpb": corpus.unigram_bits_per_byte()}
     params = gather_to_host(out["state"].params)  # whole arrays in every process: the decoder is local
     if is_main_process():
-        plot_losses(run_dir / METRICS_FILE, run_dir / PLOT_FILE)
-        if tok.external:  # token ids without their tokenizer: there is no text to show
-            summary["sample"] = None
-            log("no closing sample: this run's tokens are ids from an external tokenizer (mlx-llm generate --run "
-                "takes and prints ids)")
-        elif sample_tokens == 0:  # asked for none (a sweep's points; `mlx-llm generate RUN` samples any run)
-            summary["sample"] = None
-        else:
-            summary["sample"] = closing_sample(params, cfg, tok, sample_prompt, sample_tokens, seed=tcfg.seed,
-                                               objective=tcfg.objective)
-            (run_dir / SAMPLE_FILE).write_text(summary["sample"], encoding="utf-8")
-        write_summary(run_dir, summary)
+        with finished_files(run_dir, out["summary"]["steps"]):
+            _write_finish(run_dir, summary, params, cfg, tcfg, tok, sample_prompt, sample_tokens, log)
     sync("written")
     return summary
+
+
+@contextlib.contextmanager
+def finished_files(run_dir: Path, step):
+    """A full disk while writing a finished run's files (plot, sample, summary: each written whole or not at
+    all) is one ``CheckpointWriteError``: the training is done and its checkpoints are intact."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise CheckpointWriteError(
+            f"no space left on device writing the finished run's files in {run_dir} (loss plot, sample, "
+            f"{SUMMARY_FILE}): training is done and checkpoint {step} is intact; free some space, then "
+            f"`mlx-llm eval --run {run_dir}` scores it") from None
+
+
+def _write_finish(run_dir, summary, params, cfg, tcfg, tok, sample_prompt, sample_tokens, log) -> None:
+    """The loss plot, the closing sample (into ``summary`` and sample.txt) and summary.json, each atomically."""
+    plot_losses(run_dir / METRICS_FILE, run_dir / PLOT_FILE)
+    if tok.external:  # token ids without their tokenizer: there is no text to show
+        summary["sample"] = None
+        log("no closing sample: this run's tokens are ids from an external tokenizer (mlx-llm generate --run "
+            "takes and prints ids)")
+    elif sample_tokens == 0:  # asked for none (a sweep's points; `mlx-llm generate RUN` samples any run)
+        summary["sample"] = None
+    else:
+        summary["sample"] = closing_sample(params, cfg, tok, sample_prompt, sample_tokens, seed=tcfg.seed,
+                                           objective=tcfg.objective)
+        write_text_atomic(run_dir / SAMPLE_FILE, summary["sample"])
+    write_summary(run_dir, summary)

@@ -9,6 +9,7 @@ from pathlib import Path
 from mlx_llm.config import ModelConfig
 from mlx_llm.errors import MLXLLMError
 from mlx_llm.layers.moe import load_imbalance, per_layer_loads
+from mlx_llm.settings import replace_atomic, write_text_atomic
 from mlx_llm.train.parallel import is_main_process
 
 METRICS_FILE, PLOT_FILE, SUMMARY_FILE = "metrics.jsonl", "loss.png", "summary.json"
@@ -37,8 +38,8 @@ def append_metrics(path: Path, rows: list[dict]) -> None:
 
 
 def write_summary(run_dir: Path, summary: dict) -> dict:
-    """Write ``summary`` as the run's summary.json; returns it."""
-    (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    """Write ``summary`` as the run's summary.json, atomically (a full disk leaves no half a summary); returns it."""
+    write_text_atomic(run_dir / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
     return summary
 
 
@@ -61,7 +62,7 @@ def plot_losses(metrics_path: Path, out: Path) -> None:
     ax.legend()
     ax.grid(alpha=0.3)
     fig.subplots_adjust(left=0.1, right=0.98, bottom=0.12, top=0.97)  # fixed margins: tight_layout draws twice
-    fig.savefig(out, dpi=110)
+    replace_atomic(out, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
 
 
 # ----- readback ---------------------------------------------------------------------------------------------
