@@ -416,7 +416,7 @@ def test_an_export_records_no_local_absolute_path(exported, tmp_path):
     for d in ("corpus", "code", "prose"):
         (private / d).mkdir(parents=True)
     specs = {"single": DataSpec(path=str(private / "corpus"), tokenizer=str(private / "tok" / "tokenizer.json"),
-                                val_percent=10.0, extensions=(".py",)),
+                                val_percent=10.0, extensions=(".py",), fingerprint="ab" * 32),
              "mixture": DataSpec(mixture=(f"code={private / 'code'}:1.0", f"prose={private / 'prose'}:3.0"))}
     for name, spec in specs.items():
         run = write_checkpoint_run(private / name, cfg, TrainConfig(seq_len=32), RunRecord(kind="pretrain", data=spec),
@@ -430,6 +430,7 @@ def test_an_export_records_no_local_absolute_path(exported, tmp_path):
         back = open_run(import_hf(tmp_path / f"hf_{name}", tmp_path / f"back_{name}"))
         assert back.record.provenance["imported"]["exported_from"] == name
         assert back.record.data.path is None and back.record.data.mixture == ()
+        assert back.record.data.fingerprint is None  # the exporter's corpus's, not the default corpus it names
         assert back.record.data.val_percent == spec.val_percent and back.record.data.extensions == spec.extensions
     single = json.loads((tmp_path / "hf_single" / "config.json").read_text())["mlx_llm"]["provenance"]["data"]
     assert (single["name"], single["tokenizer"], single["val_percent"]) == ("corpus", "tokenizer.json", 10.0)

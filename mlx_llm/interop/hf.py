@@ -288,7 +288,8 @@ def _data_spec(block: dict, tok: tok_lib.Tokenizer) -> DataSpec:
     kind = "byte" if isinstance(tok, tok_lib.ByteTokenizer) else "bpe"
     stored = provenance(block).get("data")
     if isinstance(stored, dict):
-        keep = {f.name for f in dataclasses.fields(DataSpec)} - set(LOCATION_FIELDS)
+        # the exported run's data fingerprint is of its own corpus, not of the default one the import names
+        keep = {f.name for f in dataclasses.fields(DataSpec)} - set(LOCATION_FIELDS) - {"fingerprint"}
         settings = {k: v for k, v in stored.items() if k in keep}
         if settings.get("tokenizer") not in TOKENIZERS:
             settings["tokenizer"] = kind
