@@ -3,6 +3,7 @@ the same ones): random values for every flag of every subcommand, and random byt
 file the project reads. The property: the command exits 0, or exits 1 or 2 with one line and no traceback, and a
 refused command leaves its --out (or the run it read) exactly as it was."""
 
+import dataclasses
 import json
 import shutil
 import string
@@ -212,3 +213,166 @@ def test_hf_files(tmp_path, hf_export, name, content):
     if proc.returncode:
         assert not out.exists()
         assert not [p for p in tmp_path.iterdir() if p.name.startswith(".mlx-partial-")]
+
+
+# ----- compare, sweeps, the gradient checker, the device check (issue 51) -----------------------------------------
+@pytest.fixture(scope="module")
+def four_runs(base_run, tmp_path_factory):
+    """Four copies of the tiny run as four seeds' runs (their own ids and seeds, their own val_bpb): two groups that
+    ``compare`` accepts, paired or not."""
+    root = tmp_path_factory.mktemp("compare")
+    runs = []
+    for i in range(4):
+        run = root / f"r{i}"
+        shutil.copytree(base_run, run)
+        record = json.loads((run / "run.json").read_text())
+        (run / "run.json").write_text(json.dumps({**record, "run_id": f"{i + 1:032x}"}))
+        tcfg = json.loads((run / "train_config.json").read_text())
+        (run / "train_config.json").write_text(json.dumps({**tcfg, "seed": i % 2}))
+        with (run / "metrics.jsonl").open("a") as f:
+            f.write(json.dumps({"step": tcfg["steps"], "val_bpb": 3.0 + 0.1 * i + 0.01 * i * i}) + "\n")
+        runs.append(run)
+    assert cli_in_process("compare", runs[0], runs[1], "--against", runs[2], runs[3], "--paired").returncode == 0
+    return runs
+
+
+@SETTINGS
+@given(which=st.integers(0, 3), name=st.sampled_from(["metrics.jsonl", "summary.json", "run.json",
+                                                       "train_config.json", "config.json"]),
+       content=CONTENT, data=st.data())
+def test_compare_inputs(tmp_path, four_runs, which, name, content, data):
+    """``compare`` over runs with one file damaged or replaced, and random flags: a comparison or one line, and no
+    run changes."""
+    root = fresh(tmp_path)
+    runs = [shutil.copytree(r, root / r.name) for r in four_runs]
+    (runs[which] / name).write_bytes(content)
+    before = [snapshot(r) for r in runs]
+    argv = drawn_flags(data.draw, "compare", 2)
+    proc = cli_in_process("compare", runs[0], runs[1], "--against", runs[2], runs[3], *argv)
+    one_line_or_success(proc)
+    if proc.returncode == 0 and "--json" in argv:
+        json.loads(proc.stdout)  # exactly one JSON object, non-finite numbers as null
+    assert [snapshot(r) for r in runs] == before
+
+
+SPEC_FIELDS = ("sizes", "budgets", "tokens_per_param", "param_count", "windows", "batch_sizes", "lrs", "seeds")
+SPEC_VALUES = st.one_of(JSON, st.tuples(JSON), st.tuples(st.floats(), st.floats()), st.just(float("inf")),
+                        st.just((2**64,)), st.lists(st.dictionaries(st.sampled_from(["d_model", "d_ff", "x"]), JSON,
+                                                                    max_size=2), max_size=2).map(tuple))
+
+
+@SETTINGS
+@given(fields=st.dictionaries(st.sampled_from(SPEC_FIELDS), SPEC_VALUES, min_size=1, max_size=3))
+def test_sweep_specs(fields):
+    """A ``SweepSpec`` with random fields is built or refused at construction by a ``ConfigError``, nothing else."""
+    from mlx_llm.errors import MLXLLMError
+    from test_sweep import SMALL
+
+    if "budgets" in fields or "tokens_per_param" in fields:
+        fields.setdefault("budgets" if "tokens_per_param" in fields else "tokens_per_param", ())
+    try:
+        spec = dataclasses.replace(SMALL, **fields)
+    except MLXLLMError as exc:
+        assert "\n" not in str(exc)
+    else:
+        assert spec.sizes is not None
+
+
+@SETTINGS
+@given(name=st.sampled_from(["sweep.json", "sweep.csv"]), content=CONTENT | st.just(b"name,budget\n1,2"))
+def test_sweep_files(tmp_path, name, content):
+    """A sweep directory whose sweep.json or sweep.csv was damaged: the sweep is refused in one line before any
+    training, and its directory is left as it was."""
+    from mlx_llm.errors import MLXLLMError
+    from mlx_llm.runs.sweep import run_sweep
+    from mlx_llm.runs.sweep_table import load_table
+    from test_sweep import SMALL
+
+    root = fresh(tmp_path)
+    (root / name).write_bytes(content)
+    before = snapshot(root)
+    if name == "sweep.json":
+        with pytest.raises(MLXLLMError) as err:
+            run_sweep(SMALL, root, progress=False)
+    else:
+        try:
+            load_table(root / name, lambda line: None)
+        except MLXLLMError as exc:
+            err = pytest.ExceptionInfo.from_exc_info((type(exc), exc, exc.__traceback__))
+        else:
+            err = None
+    assert err is None or "\n" not in str(err.value)
+    assert snapshot(root) == before
+
+
+GRAD_ARGS = st.fixed_dictionaries({}, optional={
+    "seed": st.one_of(st.integers(-2**70, 2**70), st.floats(), st.text(max_size=3), st.none(), st.booleans()),
+    "leaves": st.one_of(st.none(), st.text(max_size=4), st.lists(st.text(max_size=4), max_size=2), st.integers()),
+    "eps": st.one_of(st.floats(), st.integers(-3, 3), st.text(max_size=3)),
+    "directions": st.one_of(st.integers(-3, 40), st.floats(), st.none()),
+    "central": st.one_of(st.booleans(), st.integers(0, 2), st.none())})
+GRAD_F = {"scalar": lambda p: jnp_sum_sq(p), "tuple": lambda p: (jnp_sum_sq(p), 1.0),
+          "vector": lambda p: p["w"] * 2.0, "int": lambda p: 3, "float32": lambda p: jnp_sum_sq(p, "float32")}
+GRAD_PARAMS = {"float": {"w": np.linspace(0.1, 1.0, 4)}, "ints": {"w": np.arange(4)}, "empty": {},
+               "nested": {"a": {"w": np.ones(3)}, "b": np.zeros((0,))}, "array": np.ones(2)}
+
+
+def jnp_sum_sq(p, dtype=None):
+    import jax
+    import jax.numpy as jnp
+
+    leaves = [x.astype(dtype) if dtype else x for x in jax.tree.leaves(p)]
+    return sum(jnp.sum(x ** 2) for x in leaves) if leaves else jnp.float64(0.0)
+
+
+@SETTINGS
+@given(f=st.sampled_from(sorted(GRAD_F)), params=st.sampled_from(sorted(GRAD_PARAMS)), kwargs=GRAD_ARGS)
+def test_check_grads_arguments(f, params, kwargs):
+    """``check_grads`` with random arguments: a report, or an ``InputError`` naming what was wrong — never another
+    exception; a correct function it reports as passing."""
+    from mlx_llm.errors import InputError
+    from mlx_llm.gradcheck import check_grads
+
+    try:
+        report = check_grads(GRAD_F[f], GRAD_PARAMS[params], **kwargs)
+    except InputError as exc:
+        assert "\n" not in str(exc)
+    else:
+        assert f in ("scalar", "float32") and report.ok, report
+
+
+@SETTINGS
+@given(flags=st.lists(st.sampled_from(["--only", "--budget", "--time-limit", "--out", "--markdown", "--quick"]),
+                      max_size=4), data=st.data())
+def test_device_check_flags(tmp_path, flags, data):
+    """The device check's flags with hostile values, checked as ``main`` checks them before running anything: a
+    run's parts and limits, or a one-line refusal (``BadFlag``, argparse's exit 2) — and nothing written."""
+    import importlib
+
+    device_check = importlib.import_module("experiments.device_check")
+    root = fresh(tmp_path)
+    (root / "results.json").write_bytes(data.draw(CONTENT))
+    argv = []
+    for flag in flags:
+        if flag == "--quick":
+            argv.append(flag)
+            continue
+        value = data.draw(HOSTILE | st.sampled_from(["training", "decode,moe", "moe=5", str(root / "results.json"),
+                                                     str(root / "out"), str(root / "results.json" / "x")]))
+        argv += [flag, value]
+    before = snapshot(root)
+    try:
+        args = device_check.parse_args(argv)
+    except SystemExit as exc:
+        assert exc.code == 2
+        return
+    try:
+        if args.markdown:
+            device_check.markdown(device_check.read_results(args.markdown))
+        else:
+            parts, limits = device_check.checked(args)
+            assert parts and all(p in device_check.PARTS for p in parts)
+            assert args.budget is None or args.budget > 0
+    except device_check.BadFlag as exc:
+        assert "\n" not in str(exc)
+    assert snapshot(root) == before
