@@ -268,6 +268,23 @@ def kv_cache_bytes(model, seq_len: int, batch: int = 1, dtype="float32") -> int:
     return kv_cache_scalars(model, seq_len, batch) * bytes_per_scalar(dtype)
 
 
+def pages_needed(lengths, page_size: int) -> int:
+    """Pages a paged KV cache (``decode/cache.PagedKVCache``) gives sequences of these ``lengths``: ⌈n/page⌉ each
+    (a partly filled last page is a whole page), none for an empty one."""
+    size = _count("page_size", page_size)
+    return sum(-(-_count("length", n, minimum=0) // size) for n in lengths)
+
+
+def paged_kv_bytes(model, pages: int, page_size: int, dtype="float32") -> int:
+    """Bytes of a paged KV pool: 2·L_full·P·page·h_kv·d_h·b — every full-attention layer's P pages of ``page_size``
+    positions (the padding page is one of the P), whatever the sequences hold; sliding-window layers keep their
+    ring of W slots per sequence outside the pool (``kv_cache_bytes`` counts them)."""
+    shape = _kv_shape(model)
+    full = mixer_layers(model, "attn") if isinstance(model, ModelConfig) else shape.n_layers
+    rows = _count("pages", pages) * _count("page_size", page_size)
+    return 2 * full * rows * shape.n_kv_heads * shape.d_head * bytes_per_scalar(dtype)
+
+
 def ssm_state_scalars(cfg: ModelConfig, batch: int = 1) -> int:
     """Decode-state scalars of the Mamba layers, constant in the prefix length (M20 §19): per layer the conv
     window (W−1)·I and the SSM state I·N, times ``batch``."""
