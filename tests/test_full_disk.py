@@ -18,20 +18,12 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO, TINY, cli_in_process, subprocess_env
+from test_faults import STEPS, train_args  # checkpoints at 8, 16, 24
 
-STEPS, INTERVAL = 24, 8  # checkpoints at 8, 16, 24
 UNSHARE = ["unshare", "--user", "--map-root-user", "--mount"]
 MARK = "--- checkpoints left:"
 # Inside the namespace: mount the tmpfs over $2 ($1 bytes), train into $2/run, list its checkpoints on stdout.
 SCRIPT = 'mount -t tmpfs -o size="$1" tmpfs "$2" || exit 99; shift 2; "$@"; rc=$?; echo "$MARK"; ls "$OUT/checkpoints"; exit $rc'
-
-
-def train_args(corpus_dir, model, out, cache):
-    return ["train", "--data", corpus_dir, "--extensions", ".py", "--val-percent", "20", "--tokenizer", "byte",
-            "--config", model, "--out", out, "--steps", STEPS, "--warmup-steps", 2, "--batch-size", 4, "--seq-len",
-            32, "--eval-interval", INTERVAL, "--eval-tokens", 256, "--checkpoint-interval", INTERVAL,
-            "--keep-checkpoints", 5, "--log-interval", 1, "--sample-tokens", 4, "--cache-dir", cache,
-            "--no-progress"]
 
 
 def allocated(path: Path) -> int:

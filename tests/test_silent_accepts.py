@@ -4,10 +4,10 @@ naming the field and what is valid, before anything is written (the directory ha
 
 import re
 
-import numpy as np
 import pytest
 
 from helpers import cli_in_process, snapshot, tiny_cfg
+from test_hostile import text_file  # noqa: F401  (the fixture: a small text corpus)
 from mlx_llm.config import MUP_WIDER_MAX, SOFTCAP_MIN, TrainConfig, check_mtp_window
 from mlx_llm.errors import ConfigError
 
@@ -15,14 +15,6 @@ TINY = ("--set", "model.d_model=16", "--set", "model.n_layers=1", "--set", "mode
         "--set", "model.n_kv_heads=1", "--set", "model.d_head=8", "--set", "model.d_ff=32",
         "--set", "model.max_seq_len=64", "--seq-len", 16, "--batch-size", 2, "--no-progress",
         "--sample-tokens", 2, "--warmup-steps", 1, "--steps", 2, "--tokenizer", "byte")
-
-
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("text") / "t.txt"
-    rng = np.random.default_rng(0)
-    path.write_text("\n".join(" ".join(rng.choice(["def", "x", "return", "(", ")"], 10)) for _ in range(400)))
-    return path
 
 
 def refused(*args) -> str:
