@@ -206,20 +206,26 @@ def top_p_rows(logits_BV: jax.Array, p_B) -> jax.Array:
 def rows_logprobs(logits_BV: jax.Array, rows: SamplingRows) -> jax.Array:
     """log q of each row's decoding distribution: temperature → top-k → top-p → renormalise (U19 §5, M20 §13);
     a greedy row (τ = 0) puts all mass on its argmax (log q = 0 there). The cuts cost a sort of the vocabulary,
-    so they run only when some row asks for one."""
+    so they run only when some row asks for one, and a batch of greedy rows builds no sampling distribution."""
     acc_BV = _acc(logits_BV)
     t_B1 = _per_row(rows.temperature, acc_BV)
     greedy_B1 = t_B1 == 0
-    hot_BV = jax.nn.one_hot(greedy(logits_BV), logits_BV.shape[-1], dtype=bool)
-    scaled_BV = acc_BV / jnp.where(greedy_B1, 1.0, t_B1).astype(acc_BV.dtype)
-    everything_BV = jnp.ones(scaled_BV.shape, bool)
-    keep_BV = jax.lax.cond(jnp.any(jnp.asarray(rows.top_k) > 0), lambda: top_k_rows(scaled_BV, rows.top_k),
-                           lambda: everything_BV)
-    keep_BV = jax.lax.cond(jnp.any(jnp.asarray(rows.top_p) < 1.0),
-                           lambda: keep_BV & top_p_rows(jnp.where(keep_BV, scaled_BV, -jnp.inf), rows.top_p),
-                           lambda: keep_BV)
-    sampled_BV = renormalise(scaled_BV, keep_BV)
-    return jnp.where(greedy_B1, jnp.where(hot_BV, 0.0, -jnp.inf).astype(acc_BV.dtype), sampled_BV)
+    hot_BV = jnp.where(jax.nn.one_hot(greedy(logits_BV), logits_BV.shape[-1], dtype=bool), 0.0,
+                       -jnp.inf).astype(acc_BV.dtype)
+
+    def sampled():
+        scaled_BV = acc_BV / jnp.where(greedy_B1, 1.0, t_B1).astype(acc_BV.dtype)
+        everything_BV = jnp.ones(scaled_BV.shape, bool)
+        keep_BV = jax.lax.cond(jnp.any(jnp.asarray(rows.top_k) > 0), lambda: top_k_rows(scaled_BV, rows.top_k),
+                               lambda: everything_BV)
+        keep_BV = jax.lax.cond(jnp.any(jnp.asarray(rows.top_p) < 1.0),
+                               lambda: keep_BV & top_p_rows(jnp.where(keep_BV, scaled_BV, -jnp.inf), rows.top_p),
+                               lambda: keep_BV)
+        return renormalise(scaled_BV, keep_BV)
+
+    # an all-greedy batch (generate's default, a greedy benchmark) skips the distribution it would not use
+    sampled_BV = jax.lax.cond(jnp.all(greedy_B1), lambda: hot_BV, sampled)
+    return jnp.where(greedy_B1, hot_BV, sampled_BV)
 
 
 def choose_rows(key: jax.Array, logits_BV: jax.Array, rows: SamplingRows):
