@@ -128,6 +128,18 @@ class KVCache:
         shape = (n_layers, batch, max_len, spec.heads, spec.width)
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
+    def take_rows(self, rows_R) -> "KVCache":
+        """The store of rows ``rows_R`` (a gather on the batch axis): what one engine call of R rows computes on."""
+        return jax.tree.map(lambda a: a[:, rows_R], self)
+
+    def put_rows(self, rows_R, sub: "KVCache") -> "KVCache":
+        """This store with rows ``rows_R`` replaced by ``sub``'s (a row listed twice must carry equal values)."""
+        return jax.tree.map(lambda a, b: a.at[:, rows_R].set(b), self, sub)
+
+    def fork(self, src_R, dst_R, src_P, dst_P) -> "KVCache":
+        """Row ``dst_R[i]`` takes row ``src_R[i]``'s state (a reply forked off its prompt); pages are not ours."""
+        return self.put_rows(dst_R, self.take_rows(src_R))
+
     def view(self, l, call: Call) -> "KVView":
         return KVView(self, l, call)
 
@@ -169,6 +181,18 @@ class RingCache:
     def allocate(cls, spec: KVSpec, n_layers: int, batch: int, max_len: int, dtype) -> "RingCache":
         shape = (n_layers, batch, spec.window, spec.heads, spec.width)
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+    def take_rows(self, rows_R) -> "RingCache":
+        """The store of rows ``rows_R`` (a gather on the batch axis): what one engine call of R rows computes on."""
+        return jax.tree.map(lambda a: a[:, rows_R], self)
+
+    def put_rows(self, rows_R, sub: "RingCache") -> "RingCache":
+        """This store with rows ``rows_R`` replaced by ``sub``'s (a row listed twice must carry equal values)."""
+        return jax.tree.map(lambda a, b: a.at[:, rows_R].set(b), self, sub)
+
+    def fork(self, src_R, dst_R, src_P, dst_P) -> "RingCache":
+        """Row ``dst_R[i]`` takes row ``src_R[i]``'s state (a reply forked off its prompt); pages are not ours."""
+        return self.put_rows(dst_R, self.take_rows(src_R))
 
     def view(self, l, call: Call) -> "RingView":
         return RingView(self, l, call)
@@ -230,6 +254,18 @@ class PagedKVCache:
     def allocate(cls, spec: KVSpec, n_layers: int, pages: Pages, dtype) -> "PagedKVCache":
         return cls(kv=jnp.zeros((n_layers, pages.count, pages.size, 2 * spec.heads, spec.width), dtype))
 
+    def take_rows(self, rows_R) -> "PagedKVCache":
+        """The pool itself: its rows are page tables, which the caller gathers."""
+        return self
+
+    def put_rows(self, rows_R, sub: "PagedKVCache") -> "PagedKVCache":
+        return sub
+
+    def fork(self, src_R, dst_R, src_P, dst_P) -> "PagedKVCache":
+        """Page ``dst_P[i]`` takes a copy of page ``src_P[i]`` (a forked reply's own copy of a shared partial page;
+        pairs of padding pages copy the padding page onto itself)."""
+        return PagedKVCache(kv=self.kv.at[:, dst_P].set(self.kv[:, src_P]))
+
     def view(self, l, call: Call) -> "PagedView":
         return PagedView(self, l, call)
 
@@ -268,6 +304,18 @@ class SlotState:
     def allocate(cls, spec: SlotSpec, n_layers: int, batch: int, max_len: int, dtype) -> "SlotState":
         one = spec.init(batch, dtype)
         return cls(arrays=tuple(jnp.broadcast_to(a, (n_layers, *a.shape)) for a in one))
+
+    def take_rows(self, rows_R) -> "SlotState":
+        """The store of rows ``rows_R`` (a gather on the batch axis): what one engine call of R rows computes on."""
+        return jax.tree.map(lambda a: a[:, rows_R], self)
+
+    def put_rows(self, rows_R, sub: "SlotState") -> "SlotState":
+        """This store with rows ``rows_R`` replaced by ``sub``'s (a row listed twice must carry equal values)."""
+        return jax.tree.map(lambda a, b: a.at[:, rows_R].set(b), self, sub)
+
+    def fork(self, src_R, dst_R, src_P, dst_P) -> "SlotState":
+        """Row ``dst_R[i]`` takes row ``src_R[i]``'s state (a reply forked off its prompt); pages are not ours."""
+        return self.put_rows(dst_R, self.take_rows(src_R))
 
     def view(self, l, call: Call) -> "SlotView":
         return SlotView(self, l, call)

@@ -239,6 +239,35 @@ def choose_rows(key: jax.Array, logits_BV: jax.Array, rows: SamplingRows):
     return tok_B, jnp.take_along_axis(logq_BV, tok_B[..., None], axis=-1)[..., 0]
 
 
+def reply_keys(seeds_R2, reply_R, t_R) -> jax.Array:
+    """The PRNG key of each row's next token (DESIGN §8): ``fold_in(fold_in(key(seed), reply), t)`` from the row's
+    request seed (its two uint32 words, ``ops.seed_key_data``), its index among the request's n replies and the
+    index t of the token in its reply — never from the batch the row happens to share."""
+    def one(seed_2, reply, t):
+        key = jax.random.wrap_key_data(seed_2, impl="threefry2x32")
+        return jax.random.fold_in(jax.random.fold_in(key, reply), t)
+
+    return jax.vmap(one)(jnp.asarray(seeds_R2, jnp.uint32), jnp.asarray(reply_R, jnp.int32), jnp.asarray(t_R, jnp.int32))
+
+
+def choose_keyed(keys_R, logits_BV: jax.Array, rows: SamplingRows):
+    """``choose_rows`` with one key per row (``reply_keys``): row b's draw reads its own key only, so its token does
+    not depend on the other rows of the batch. Returns (tokens, log q, log of the kept mass): the mass of
+    p_τ (the model at the row's temperature; 1 for a greedy row) that the row's top-k and top-p keep, so
+    log q = log p_τ − log mass on every kept token."""
+    logq_BV = rows_logprobs(logits_BV, rows)
+    greedy_B = _per_row(rows.temperature, logits_BV)[..., 0] == 0
+    argmax_B = greedy(logits_BV)
+    one = lambda key, logq_V: jax.random.categorical(key, logq_V).astype(jnp.int32)
+    drawn_B = jax.lax.cond(jnp.all(greedy_B), lambda: argmax_B, lambda: jax.vmap(one)(keys_R, logq_BV))
+    tok_B = jnp.where(greedy_B, argmax_B, drawn_B)
+    logq_B = jnp.take_along_axis(logq_BV, tok_B[:, None], axis=-1)[:, 0]
+    t_B1 = jnp.where(greedy_B, 1.0, _per_row(rows.temperature, logits_BV)[..., 0])[:, None]
+    logpt_BV = jax.nn.log_softmax(_acc(logits_BV) / t_B1.astype(logq_BV.dtype), axis=-1)
+    logpt_B = jnp.take_along_axis(logpt_BV, tok_B[:, None], axis=-1)[:, 0]
+    return tok_B, logq_B, logpt_B - logq_B  # greedy: log q = 0, the kept mass is p(argmax)
+
+
 def decoding_logprobs(logits_BV: jax.Array, settings: DecodeSettings) -> jax.Array:
     """log q of the decoding distribution: temperature → top-k → top-p → renormalise (U19 §5, M20 §13).
 
