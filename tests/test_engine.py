@@ -92,6 +92,7 @@ def _check_stream(kind, data):
     assert sorted(eng.free_rows) == list(range(eng.max_seqs))
 
 
+@pytest.mark.slow
 @settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
 @given(streams())
 def test_engine_gives_generates_greedy_tokens_dense(data):
@@ -104,3 +105,184 @@ def test_engine_gives_generates_greedy_tokens_dense(data):
 @given(data=streams())
 def test_engine_gives_generates_greedy_tokens(kind, data):
     _check_stream(kind, data)
+
+
+@pytest.mark.slow
+def test_no_compile_after_warm_up():
+    """A stream of new lengths, n, settings and stop ids after ``warm_up`` compiles nothing (every shape is a
+    bucket, every setting data); a second warm-up compiles nothing either."""
+    eng = _engine("dense_gqa")
+    eng.warm_up()
+    before = engine_lib.compiles()
+    rng = np.random.default_rng(0)
+    for i in range(6):
+        prompt = tuple(int(t) for t in rng.integers(0, V, size=int(rng.integers(1, PROMPT + 1))))
+        eng.submit(Request(prompt, max_tokens=int(rng.integers(1, NEW + 1)), n=1 + i % 2, seed=i,
+                           temperature=[0.0, 0.7, 1.3][i % 3], top_k=[0, 5][i % 2], top_p=[1.0, 0.8][i % 2],
+                           stop_ids=tuple(int(t) for t in rng.integers(0, V, size=i % 3)), logprobs=i % 2 == 0))
+        eng.step()
+    while eng.waiting or eng.running:
+        eng.step()
+    assert engine_lib.compiles() == before
+    assert eng.warm_up() == 0
+
+
+def _q_of(params, cfg, prompt, temperature, top_k, top_p):
+    """The exact decoding distribution after ``prompt`` (the trainer's forward, then sampling's cut)."""
+    from mlx_llm.decode.sampling import SamplingRows, rows_logprobs
+    from mlx_llm.model import forward
+
+    logits_V = forward(params, jnp.asarray([prompt]), cfg)[0, -1]
+    rows = SamplingRows(temperature=jnp.asarray([temperature]), top_k=jnp.asarray([top_k]),
+                        top_p=jnp.asarray([top_p]))
+    return np.asarray(jax.nn.log_softmax(logits_V)), np.asarray(rows_logprobs(logits_V[None], rows)[0])
+
+
+@pytest.mark.slow
+def test_sampled_first_tokens_follow_q_and_carry_their_log_probs():
+    """400 seeded first tokens (50 requests × n = 8) against the exact q (temperature, top-k, top-p): a chi-square
+    test that fails on a wrong cut, temperature or key reuse; every token's log p, log q and log kept mass equal
+    the trainer's forward to float tolerance."""
+    from scipy import stats
+
+    cfg = DENSE
+    eng = Engine(random_params(cfg, 3), cfg, max_seqs=8, max_len=16, page_size=4, token_budget=16,
+                 chunk_buckets=(8,), decode_steps=1, unroll_layers=False)
+    prompt, t, k, p = (3, 1, 4, 1, 5), 0.8, 6, 0.9
+    logp_V, logq_V = _q_of(eng.params, cfg, prompt, t, k, p)
+    done = eng.run([Request(prompt, max_tokens=1, temperature=t, top_k=k, top_p=p, seed=s, n=8, logprobs=True)
+                    for s in range(50)])
+    tokens = np.asarray([r.tokens[0] for c in done for r in c.replies])
+    kept = np.flatnonzero(np.isfinite(logq_V))
+    assert 2 <= len(kept) <= k and set(tokens) <= set(kept)
+    counts = np.asarray([np.sum(tokens == v) for v in kept])
+    assert stats.chisquare(counts, np.exp(logq_V[kept]) * len(tokens)).pvalue > 1e-3
+    assert len({tuple(r.tokens) for r in done[0].replies}) > 1  # the n replies draw with their own keys
+    log_mass = np.log(np.sum(np.exp(jax.nn.log_softmax(np.asarray(logp_V) / t))[kept]))
+    for reply in (r for c in done for r in c.replies):
+        tok = reply.tokens[0]
+        np.testing.assert_allclose([reply.logp[0], reply.logq[0], reply.log_mass[0]],
+                                   [logp_V[tok], logq_V[tok], log_mass], rtol=0, atol=1e-9)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_reply_is_the_same_alone_and_among_63_others(temperature):
+    """The same request and seed gives the same reply alone and in a batch of 64 replies of other lengths,
+    admitted before and after it (its draws read its own key; its rows' shapes change, its tokens do not)."""
+    cfg = dataclasses.replace(DENSE, max_seq_len=40)
+    eng = Engine(random_params(cfg, 4), cfg, max_seqs=64, max_len=40, page_size=4, token_budget=128,
+                 chunk_buckets=(8, 32), decode_steps=4, unroll_layers=False)
+    mine = Request((5, 9, 2, 7, 7, 1, 20), max_tokens=12, temperature=temperature, top_p=0.95, seed=1234,
+                   logprobs=True)
+    alone = eng.run([mine])[0].replies[0]
+    rng = np.random.default_rng(5)
+    others = [Request(tuple(int(x) for x in rng.integers(0, V, size=int(rng.integers(1, 28)))),
+                      max_tokens=int(rng.integers(1, 13)), temperature=float(rng.choice([0.0, 1.0])), seed=i,
+                      logprobs=True) for i in range(63)]
+    done = [eng.submit(r) for r in others[:30] + [mine] + others[30:]]
+    busiest = 0
+    while eng.waiting or eng.running:
+        eng.step()
+        busiest = max(busiest, len(eng.running))
+    assert busiest == 64
+    among = done[30].replies[0]
+    assert among.tokens == alone.tokens and len(alone.tokens) == 12
+    np.testing.assert_allclose(among.logp, alone.logp, rtol=0, atol=1e-9)
+    np.testing.assert_allclose(among.logq, alone.logq, rtol=0, atol=1e-9)
+
+
+def _detok(ids):
+    return "".join(chr(ord("a") + t % 26) for t in ids)
+
+
+def test_stop_strings_cut_the_text_across_token_boundaries():
+    cfg = DENSE
+    eng = Engine(random_params(cfg, 0), cfg, max_seqs=2, max_len=16, page_size=4, token_budget=16,
+                 chunk_buckets=(8,), decode_steps=2, unroll_layers=False, detokenize=_detok)
+    prompt = (1, 2, 3)
+    free = eng.run([Request(prompt, max_tokens=8)])[0].replies[0]
+    assert free.text == _detok(free.tokens) and free.finish_reason == "length"
+    stop = free.text[3:5]  # spans tokens 3 and 4: the reply ends at token 4, its text before the string
+    first = free.text.find(stop)
+    cut = eng.run([Request(prompt, max_tokens=8, stop=(stop, "never"))])[0].replies[0]
+    assert cut.finish_reason == "stop"
+    assert cut.tokens == free.tokens[:first + 2] and cut.text == free.text[:first]
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(prompt=()), "prompt is invalid"),
+    (dict(prompt=(1, V)), "prompt is invalid"),
+    (dict(max_tokens=0), "max_tokens = 0 is invalid"),
+    (dict(max_tokens=PROMPT + NEW), "more than this engine's max_len = 18"),
+    (dict(temperature=-0.5), "temperature = -0.5 is invalid"),
+    (dict(temperature=float("nan")), "temperature = nan is invalid"),
+    (dict(top_k=-1), "top_k = -1 is invalid"),
+    (dict(top_p=0.0), "top_p = 0.0 is invalid"),
+    (dict(top_p=1.5), "top_p = 1.5 is invalid"),
+    (dict(stop_ids=(V + 3,)), "stop_ids = [32] is invalid"),
+    (dict(stop=("x",)), "stop strings need a tokenizer"),
+    (dict(seed=-1), "seed = -1 is invalid"),
+    (dict(n=4), "n = 4 is invalid: this engine decodes at most max_seqs = 3"),
+    (dict(n=0), "n = 0 is invalid"),
+])
+def test_bad_requests_are_refused_in_one_line_before_anything_is_queued(change, message):
+    eng = _engine("dense_gqa")
+    before = len(eng.completions)
+    with pytest.raises(InputError, match=message.replace("[", r"\[").replace("]", r"\]")) as err:
+        eng.submit(dataclasses.replace(Request((1, 2, 3), max_tokens=2), **change))
+    assert "\n" not in str(err.value)
+    assert len(eng.completions) == before and not eng.waiting
+
+
+def test_engine_settings_are_checked():
+    params = random_params(DENSE, 0)
+    with pytest.raises(InputError, match="max_len = 64 is invalid: the model has max_seq_len = 32"):
+        Engine(params, DENSE, max_len=64)
+    with pytest.raises(InputError, match="token_budget = 2 is invalid: it must be an integer ≥ 4"):
+        Engine(params, DENSE, max_seqs=4, token_budget=2)
+    with pytest.raises(InputError, match="chunk_buckets = \\(1,\\) is invalid"):
+        Engine(params, DENSE, chunk_buckets=(1,))
+    hybrid = KINDS["hybrid"]
+    with pytest.raises(InputError, match="prefix_caching = True is invalid for this model: its mamba, local layers"):
+        Engine(random_params(hybrid, 0), hybrid, prefix_caching=True)
+    eng = Engine(params, DENSE, max_seqs=2, max_len=16, page_size=4, pages=4)
+    with pytest.raises(InputError, match="the request may need 4 pages .* but the pool has 3"):
+        eng.submit(Request((1,) * 10, max_tokens=6))
+
+
+def test_page_table_shares_caches_and_evicts_least_recently_used():
+    keys = page_keys([1, 2, 3, 4, 5], 2)
+    assert len(keys) == 2 and keys[0] == page_keys([1, 2], 2)[0]
+    assert page_keys([9, 2, 3, 4], 2)[1] != keys[1]  # the same page's tokens after another prefix: another key
+    table = PageTable(Pages(4, 2), caching=True)
+    a, b, c = table.allocate(), table.allocate(), table.allocate()
+    assert sorted([a, b, c]) == [1, 2, 3] and table.available == 0  # page 0 is the padding page
+    table.register(a, keys[0])
+    table.register(b, keys[1])
+    assert table.lookup(keys) == [a, b] and table.lookup([keys[1]]) == [b]
+    table.share(a)
+    for page in (a, a, b, c):
+        table.release(page)
+    assert table.refs.tolist() == [0, 0, 0, 0] and table.available == 3
+    table.share(b)  # a hit on b: it leaves the LRU list
+    table.release(b)  # … and joins it again, now the most recent
+    assert table.allocate() == c  # a never-registered free page first
+    assert table.allocate() == a  # then the least recently used cached page, its key forgotten
+    assert table.lookup(keys) == [] and table.lookup([keys[1]]) == [b]
+    with pytest.raises(RuntimeError, match="exhausted"):
+        table.allocate(), table.allocate()
+    assert (table.hits, table.lookups) == (4, 6)
+
+
+def test_replies_forked_off_a_partial_page_equal_a_lone_reply():
+    """n = 2 replies fork off the prompt's first 5 of 6 tokens computed (pages of 4: one full page shared, the
+    partial one copied); each computes the last prompt token itself and gives the lone reply's greedy tokens."""
+    cfg = DENSE
+    eng = Engine(random_params(cfg, 0), cfg, max_seqs=2, max_len=16, page_size=4, token_budget=16,
+                 chunk_buckets=(8,), decode_steps=2, unroll_layers=False, detokenize=_detok)
+    prompt = (7, 3, 11, 2, 9, 4)
+    lone = eng.run([Request(prompt, max_tokens=8)])[0].replies[0]
+    both = eng.run([Request(prompt, max_tokens=8, n=2)])[0].replies
+    assert [r.tokens for r in both] == [lone.tokens] * 2
+    assert eng.prefix_hit_rate > 0  # the second request found the first's full page
