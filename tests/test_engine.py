@@ -46,7 +46,7 @@ def _engine(kind: str, **kw) -> Engine:
         worst = shared + 2 * (-(-(PROMPT + NEW - 1) // size) - shared)  # Engine.pages_needed(PROMPT, NEW, 2)
         _ENGINES[key] = Engine(random_params(cfg, 0), cfg, max_seqs=3, max_len=PROMPT + NEW, page_size=size,
                                pages=worst + 1, token_budget=5, chunk_buckets=(4,), decode_steps=2,
-                               unroll_layers=False, **kw)
+                               unroll_layers=False, width_buckets=(2, 4), **kw)
     return _ENGINES[key]
 
 
@@ -243,6 +243,8 @@ def test_engine_settings_are_checked():
         Engine(params, DENSE, max_seqs=4, token_budget=2)
     with pytest.raises(InputError, match="chunk_buckets = \\(1,\\) is invalid"):
         Engine(params, DENSE, chunk_buckets=(1,))
+    with pytest.raises(InputError, match="width_buckets = \\(0, 4\\) is invalid"):
+        Engine(params, DENSE, width_buckets=(0, 4))
     hybrid = KINDS["hybrid"]
     with pytest.raises(InputError, match="prefix_caching = True is invalid for this model: its mamba, local layers"):
         Engine(random_params(hybrid, 0), hybrid, prefix_caching=True)

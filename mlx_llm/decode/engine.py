@@ -203,12 +203,16 @@ class Engine:
     ``chunk_buckets`` entry). decode_steps: decode steps per dispatch while nobody waits. prefix_caching: None
     (where every layer's state is paged), True (refuse a model where it is not) or False. max_stop_ids: the
     longest ``stop_ids`` a request may give. detokenize: token ids → text, for stop strings and ``Reply.text``.
-    unroll_layers: as ``generate``'s (False scans the stacked weights: slower steps, faster compiles)."""
+    unroll_layers: as ``generate``'s (False scans the stacked weights: slower steps, faster compiles).
+    width_buckets: the page-table widths (in pages) a call may have: a call's rows read the narrowest that holds
+    their pages, so attention over pages costs what the longest row of the call holds, not ``max_len``
+    (default: 64 positions × 4^k, and ⌈max_len / page_size⌉ always)."""
 
     def __init__(self, params: Params, cfg: ModelConfig, *, max_seqs: int = 8, max_len: int | None = None,
                  page_size: int = 16, pages: int | None = None, token_budget: int = 256, chunk_buckets=None,
                  decode_steps: int = 8, prefix_caching: bool | None = None, max_stop_ids: int = 8,
-                 detokenize: Callable[[list], str] | None = None, unroll_layers: bool = True, kernels=None):
+                 detokenize: Callable[[list], str] | None = None, unroll_layers: bool = True, width_buckets=None,
+                 kernels=None):
         require_causal(cfg)
         self.params, self.cfg, self.kernels = params, cfg, resolved(kernels)
         self.max_seqs = _positive("max_seqs", max_seqs)
@@ -228,12 +232,22 @@ class Engine:
             raise InputError(f"chunk_buckets = {chunk_buckets!r} is invalid: it must list integers ≥ 2")
         self.chunk_buckets = tuple(sorted({int(c) for c in chunk_buckets}))
         self.row_buckets = _buckets(self.max_seqs)
+        if width_buckets is None:
+            width_buckets, w = [], -(-64 // self.page_size)
+            while w < self.n_pages:
+                width_buckets.append(w)
+                w *= 4
+        if any(isinstance(w, bool) or not isinstance(w, numbers.Integral) or w < 1 for w in width_buckets):
+            raise InputError(f"width_buckets = {width_buckets!r} is invalid: it must list integers ≥ 1 (pages)")
         self.detokenize = detokenize
         dtype = params["embed"].dtype
         state = init_cache(cfg, self.max_seqs + 1, self.n_pages * self.page_size, dtype,
                            pages=cache_lib.Pages(count, self.page_size))
         self.stores = state.stores
         self.paged = any(isinstance(s, cache_lib.PagedKVCache) for s in self.stores.values())
+        # a model with no paged layer reads no page table: one width, one compile per shape
+        self.width_buckets = tuple(sorted({int(w) for w in width_buckets if w < self.n_pages} | {self.n_pages})) \
+            if self.paged else (self.n_pages,)
         per_row = [k for k, s in self.stores.items() if not isinstance(s, cache_lib.PagedKVCache)]
         if prefix_caching and per_row:
             raise InputError(f"prefix_caching = True is invalid for this model: its {', '.join(per_row)} layers "
@@ -472,7 +486,8 @@ class Engine:
         t = 1 if steps > 1 or all(n == 1 for _, n in group) else _fit(self.chunk_buckets, max(n for _, n in group))
         rows = np.full((r,), self.scratch, np.int32)
         lengths, n_new, emit = np.zeros((r,), np.int32), np.zeros((r,), np.int32), np.zeros((r,), bool)
-        table = np.full((r, self.n_pages), cache_lib.PADDING_PAGE, np.int32)
+        table = np.full((r, _fit(self.width_buckets, max(len(s.pages) for s, _ in group))), cache_lib.PADDING_PAGE,
+                        np.int32)
         tokens = np.zeros((r, t), np.int32)
         temp, top_k, top_p = np.zeros((r,)), np.zeros((r,), np.int32), np.ones((r,))
         seeds, reply, pos = np.zeros((r, 2), np.uint32), np.zeros((r,), np.int32), np.zeros((r,), np.int32)
@@ -551,22 +566,37 @@ class Engine:
         seq.pages, seq.row = [], None
         self.running.remove(seq)
 
+    def shapes(self) -> list:
+        """Every (rows, tokens per row, steps, page-table width) a call can have: decode calls of one token per row
+        (one step, or ``decode_steps``) at any width; prompt-chunk calls where the budget lets that many rows
+        (each chunk ≥ 2 tokens) carry a chunk of that bucket, at widths that hold such a chunk."""
+        out = [(r, 1, s, w) for r in self.row_buckets for s in dict.fromkeys((1, self.decode_steps))
+               for w in self.width_buckets]
+        prev_r = dict(zip(self.row_buckets, (0,) + self.row_buckets))
+        prev_t = dict(zip(self.chunk_buckets, (1,) + self.chunk_buckets))
+        for r in self.row_buckets:
+            for t in self.chunk_buckets:
+                shortest = prev_t[t] + 1  # the call's longest chunk is at least this long
+                if 2 * prev_r[r] + shortest > self.token_budget or shortest > self.max_len:
+                    continue
+                out += [(r, t, 1, w) for w in self.width_buckets if w * self.page_size >= shortest]
+        return out
+
     def warm_up(self) -> int:
-        """Compile every shape bucket (row counts × tokens per row, and the multi-step decode) by running each
-        once on the scratch row; returns the programs compiled. A steady stream compiles nothing after this."""
+        """Compile every shape ``shapes`` lists, and every fork, by running each once on the scratch row; returns
+        the programs compiled. A steady stream compiles nothing after this."""
         before = compiles()
-        shapes = [(r, 1, 1) for r in self.row_buckets] + [(r, 1, self.decode_steps) for r in self.row_buckets] + \
-                 [(r, t, 1) for r in self.row_buckets for t in self.chunk_buckets]
-        for r, t, steps in dict.fromkeys(shapes):
+        for r, t, steps, w in self.shapes():
             z = np.zeros((r,), np.int32)
             sampling = SamplingRows(temperature=jnp.zeros((r,), float), top_k=jnp.asarray(z),
                                     top_p=jnp.ones((r,), float))
             _, self.stores = _dispatch_jit(
                 self.params, self.layers, self.stores, {k: b[r] for k, b in self.blank.items()},
-                np.full((r,), self.scratch, np.int32), z, np.zeros((r, self.n_pages), np.int32),
+                np.full((r,), self.scratch, np.int32), z, np.zeros((r, w), np.int32),
                 np.zeros((r, t), np.int32), z, np.zeros((r,), bool), sampling, np.zeros((r, 2), np.uint32), z, z,
                 np.full((r, self.max_stop_ids), -1, np.int32), z, cfg=self.cfg, kernels=self.kernels,
                 page_size=self.page_size, steps=steps)
-            s = np.full((r,), self.scratch, np.int32)
+        for r in self.row_buckets:
+            s, z = np.full((r,), self.scratch, np.int32), np.zeros((r,), np.int32)
             self.stores = _fork_jit(self.stores, s, s, z, z)
         return compiles() - before
