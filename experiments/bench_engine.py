@@ -31,7 +31,8 @@ the engine's per-token time at contexts ``--contexts`` against the weight- and K
 (weights once + every row's K/V) per decode step.
 
 Usage: python -m experiments.bench_engine [--quick] [--no-hf] [--d-model 512 --n-layers 8 ...]
-Writes experiments/results/bench_engine.json (``--save NAME`` for another name).
+Writes experiments/results/bench_engine.json (``--save NAME`` for another name). ``--render`` prints the docs'
+tables from that file (docs/engine.md holds them verbatim; tests/test_engine.py checks they match).
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-hf", action="store_true", help="skip transformers' continuous batching")
     ap.add_argument("--quick", action="store_true", help="a small model and stream (~2 min): a smoke run")
+    ap.add_argument("--render", action="store_true", help="print the docs' tables from the results file; run nothing")
     common.add_save_argument(ap, "bench_engine")
     args = ap.parse_args(argv)
     if args.quick:
@@ -256,8 +258,44 @@ def batch_b(params, cfg, args, bw, w_bytes):
     return rows
 
 
+def render(result: dict) -> str:
+    """The docs' tables (docs/engine.md) from a results file's payload: the stream, batch 1 and batch B."""
+    a, st = result["args"], result["stream"]
+    out_tokens = sum(st["reply_tokens"])
+    lines = [f"Model d={a['d_model']}, L={a['n_layers']}, V={a['vocab']} ({result['params'] / 1e6:.1f}M parameters), "
+             f"float32; {st['requests']} requests, prompts of {np.mean(st['prompt_tokens']):.0f} tokens on average "
+             f"({min(st['prompt_tokens'])}–{max(st['prompt_tokens'])}), {out_tokens:,d} output tokens; cache memory "
+             f"{result['cache_positions']:,d} positions for each server; engine: {a['max_seqs']} rows, pages of "
+             f"{a['page_size']}, token budget {a['token_budget']}, {a['decode_steps']} decode steps per dispatch; "
+             f"static: batches of {a['static_batch']}. Best of {a['repeats']} passes, servers taking turns.", "",
+             "| server | output tokens/s | vs static | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | greedy tokens as static |",
+             "|---|---|---|---|---|---|---|---|"]
+    ms = lambda d, k: f"{d[k] * 1e3:.0f} ms" if k in d else "—"  # noqa: E731
+    for name, r in result["servers"].items():
+        lines.append(f"| {name} | {r['tokens_per_second']:.0f} | {r['vs_static']:.2f}× | {ms(r['ttft'], 'p50')} | "
+                     f"{ms(r['ttft'], 'p99')} | {ms(r['itl'], 'p50')} | {ms(r['itl'], 'p99')} | "
+                     f"{r['same_tokens']}/{st['requests']} |")
+    lines += ["", f"Batch 1 (read bandwidth {result['read_bandwidth_bytes_per_second'] / 1e9:.1f} GB/s, "
+              f"{result['weight_bytes_per_token'] / 2**20:.1f} MiB of weights per token):", "",
+              "| context | engine, ms/token | plain decoder, ms/token | bound, ms | engine of bound | plain of bound |",
+              "|---|---|---|---|---|---|"]
+    for r in result["batch_one"]:
+        lines.append(f"| {r['context']:,d} | {r['engine_seconds_per_token'] * 1e3:.2f} | "
+                     f"{r['plain_seconds_per_token'] * 1e3:.2f} | {r['bound_seconds'] * 1e3:.2f} | "
+                     f"{r['engine_of_bound']:.0%} | {r['plain_of_bound']:.0%} |")
+    lines += ["", f"Batch B at context {a['batch_context']:,d} (the bound: the weights once and every row's K/V per "
+              "step):", "", "| batch | ms/step | tokens/s | bound, ms | of bound |", "|---|---|---|---|---|"]
+    for r in result["batch_b"]:
+        lines.append(f"| {r['batch']} | {r['seconds_per_step'] * 1e3:.2f} | {r['tokens_per_second']:.0f} | "
+                     f"{r['bound_seconds'] * 1e3:.2f} | {r['of_bound']:.0%} |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.render:
+        print(render(common.load_result(args.save or args.result_name)))
+        return
     stream = task_stream(args.requests, args.long_share, args.seed)
     longest = max(len(p) + m for p, m in stream)
     max_len = max(max(args.contexts) + args.new_tokens + 1, args.batch_context + args.new_tokens + 1, longest + 64)

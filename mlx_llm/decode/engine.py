@@ -473,15 +473,20 @@ class Engine:
             last = lambda s: len(s.request.prompt) + s.request.max_tokens - 1
             if all(self._cover(s, min(s.computed + self.decode_steps, last(s)), preempt=False) for s, _ in work):
                 steps = self.decode_steps
-        groups = [[w for w in work if w[1] == 1], [w for w in work if w[1] > 1]]
-        launched = [(g, self._launch(g, steps if i == 0 else 1)) for i, g in enumerate(groups) if g]
+        # one call per (decoding or chunk, page-table width): a long row does not widen the short rows' tables
+        # (the reference attention reads every row at its call's width; an extra call costs one read of the weights)
+        groups: dict = {}
+        for seq, n in work:
+            groups.setdefault((n > 1, _fit(self.width_buckets, len(seq.pages))), []).append((seq, n))
+        launched = [(g, self._launch(g, 1 if chunks else steps)) for (chunks, _), g in sorted(groups.items())]
         events = []
         for group, out in launched:
             events += self._book(group, [np.asarray(a) for a in out])
         return events
 
     def _launch(self, group, steps: int):
-        """One call for ``group`` (all its rows feed T tokens at most): returns its device outputs."""
+        """One call for ``group`` (its rows feed T tokens at most and read tables of one width): returns its device
+        outputs."""
         r = _fit(self.row_buckets, len(group))
         t = 1 if steps > 1 or all(n == 1 for _, n in group) else _fit(self.chunk_buckets, max(n for _, n in group))
         rows = np.full((r,), self.scratch, np.int32)
