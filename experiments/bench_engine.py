@@ -275,6 +275,10 @@ def render(result: dict) -> str:
         lines.append(f"| {name} | {r['tokens_per_second']:.0f} | {r['vs_static']:.2f}× | {ms(r['ttft'], 'p50')} | "
                      f"{ms(r['ttft'], 'p99')} | {ms(r['itl'], 'p50')} | {ms(r['itl'], 'p99')} | "
                      f"{r['same_tokens']}/{st['requests']} |")
+    eng = result["servers"]["engine"]
+    lines += ["", f"Engine: prefix-cache hit rate {eng['prefix_hit_rate']:.0%}, {eng['preemptions']} preemptions. "
+              "First (untimed) pass, compiles included: " + ", ".join(
+                  f"{name} {r['first_pass_seconds']:.0f} s" for name, r in result["servers"].items()) + "."]
     lines += ["", f"Batch 1 (read bandwidth {result['read_bandwidth_bytes_per_second'] / 1e9:.1f} GB/s, "
               f"{result['weight_bytes_per_token'] / 2**20:.1f} MiB of weights per token):", "",
               "| context | engine, ms/token | plain decoder, ms/token | bound, ms | engine of bound | plain of bound |",

@@ -288,3 +288,14 @@ def test_replies_forked_off_a_partial_page_equal_a_lone_reply():
     both = eng.run([Request(prompt, max_tokens=8, n=2)])[0].replies
     assert [r.tokens for r in both] == [lone.tokens] * 2
     assert eng.prefix_hit_rate > 0  # the second request found the first's full page
+
+
+def test_the_docs_tables_are_rendered_from_the_results_file():
+    """docs/engine.md holds ``bench_engine.render`` of experiments/results/bench_engine.json verbatim (a number
+    typed by hand, or a results file rewritten without the page, fails)."""
+    from pathlib import Path
+
+    from experiments import bench_engine, common
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "engine.md").read_text()
+    assert bench_engine.render(common.load_result("bench_engine")) in page
