@@ -114,9 +114,25 @@ def _write(store_LBSGK, l, slots_BT, x_BTGK):
     return store_LBSGK.at[l, b_B1, slots_BT].set(x_BTGK.astype(store_LBSGK.dtype), mode="drop")
 
 
+class PerRow:
+    """A store whose arrays are (L, B, …), one row per sequence: the engine's row operations."""
+
+    def take_rows(self, rows_R):
+        """The store of rows ``rows_R`` (a gather on the batch axis): what one engine call of R rows computes on."""
+        return jax.tree.map(lambda a: a[:, rows_R], self)
+
+    def put_rows(self, rows_R, sub):
+        """This store with rows ``rows_R`` replaced by ``sub``'s (a row listed twice must carry equal values)."""
+        return jax.tree.map(lambda a, b: a.at[:, rows_R].set(b), self, sub)
+
+    def fork(self, src_R, dst_R, src_P, dst_P):
+        """Row ``dst_R[i]`` takes row ``src_R[i]``'s state (a reply forked off its prompt); pages are not ours."""
+        return self.put_rows(dst_R, self.take_rows(src_R))
+
+
 # ----- keys and values, one slot per position ---------------------------------------------------------
 @flax.struct.dataclass
-class KVCache:
+class KVCache(PerRow):
     """Rotated keys K̃ and unrotated values 𝖵 (M20 §14) of every processed position, (L, B, S, G, K): slot s of
     row b holds position s; slots at or beyond the row's length hold nothing valid and are never read."""
 
@@ -127,18 +143,6 @@ class KVCache:
     def allocate(cls, spec: KVSpec, n_layers: int, batch: int, max_len: int, dtype) -> "KVCache":
         shape = (n_layers, batch, max_len, spec.heads, spec.width)
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
-
-    def take_rows(self, rows_R) -> "KVCache":
-        """The store of rows ``rows_R`` (a gather on the batch axis): what one engine call of R rows computes on."""
-        return jax.tree.map(lambda a: a[:, rows_R], self)
-
-    def put_rows(self, rows_R, sub: "KVCache") -> "KVCache":
-        """This store with rows ``rows_R`` replaced by ``sub``'s (a row listed twice must carry equal values)."""
-        return jax.tree.map(lambda a, b: a.at[:, rows_R].set(b), self, sub)
-
-    def fork(self, src_R, dst_R, src_P, dst_P) -> "KVCache":
-        """Row ``dst_R[i]`` takes row ``src_R[i]``'s state (a reply forked off its prompt); pages are not ours."""
-        return self.put_rows(dst_R, self.take_rows(src_R))
 
     def view(self, l, call: Call) -> "KVView":
         return KVView(self, l, call)
@@ -167,7 +171,7 @@ class KVView(NamedTuple):
 
 # ----- keys and values in a ring of W slots -----------------------------------------------------------
 @flax.struct.dataclass
-class RingCache:
+class RingCache(PerRow):
     """A sliding-window layer's keys and values, (L, B, W, G, K): position p lives in slot p mod W."""
 
     k: jax.Array
@@ -181,18 +185,6 @@ class RingCache:
     def allocate(cls, spec: KVSpec, n_layers: int, batch: int, max_len: int, dtype) -> "RingCache":
         shape = (n_layers, batch, spec.window, spec.heads, spec.width)
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
-
-    def take_rows(self, rows_R) -> "RingCache":
-        """The store of rows ``rows_R`` (a gather on the batch axis): what one engine call of R rows computes on."""
-        return jax.tree.map(lambda a: a[:, rows_R], self)
-
-    def put_rows(self, rows_R, sub: "RingCache") -> "RingCache":
-        """This store with rows ``rows_R`` replaced by ``sub``'s (a row listed twice must carry equal values)."""
-        return jax.tree.map(lambda a, b: a.at[:, rows_R].set(b), self, sub)
-
-    def fork(self, src_R, dst_R, src_P, dst_P) -> "RingCache":
-        """Row ``dst_R[i]`` takes row ``src_R[i]``'s state (a reply forked off its prompt); pages are not ours."""
-        return self.put_rows(dst_R, self.take_rows(src_R))
 
     def view(self, l, call: Call) -> "RingView":
         return RingView(self, l, call)
@@ -295,7 +287,7 @@ class PagedView(NamedTuple):
 
 # ----- a fixed-size state per sequence ----------------------------------------------------------------
 @flax.struct.dataclass
-class SlotState:
+class SlotState(PerRow):
     """A recurrent mixer's state: the arrays its ``SlotSpec.init`` declares, each stacked to (L, B, …)."""
 
     arrays: tuple
@@ -304,18 +296,6 @@ class SlotState:
     def allocate(cls, spec: SlotSpec, n_layers: int, batch: int, max_len: int, dtype) -> "SlotState":
         one = spec.init(batch, dtype)
         return cls(arrays=tuple(jnp.broadcast_to(a, (n_layers, *a.shape)) for a in one))
-
-    def take_rows(self, rows_R) -> "SlotState":
-        """The store of rows ``rows_R`` (a gather on the batch axis): what one engine call of R rows computes on."""
-        return jax.tree.map(lambda a: a[:, rows_R], self)
-
-    def put_rows(self, rows_R, sub: "SlotState") -> "SlotState":
-        """This store with rows ``rows_R`` replaced by ``sub``'s (a row listed twice must carry equal values)."""
-        return jax.tree.map(lambda a, b: a.at[:, rows_R].set(b), self, sub)
-
-    def fork(self, src_R, dst_R, src_P, dst_P) -> "SlotState":
-        """Row ``dst_R[i]`` takes row ``src_R[i]``'s state (a reply forked off its prompt); pages are not ours."""
-        return self.put_rows(dst_R, self.take_rows(src_R))
 
     def view(self, l, call: Call) -> "SlotView":
         return SlotView(self, l, call)

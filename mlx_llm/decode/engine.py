@@ -46,8 +46,7 @@ import numpy as np
 from mlx_llm.config import ModelConfig
 from mlx_llm.decode import cache as cache_lib
 from mlx_llm.decode.pages import PageTable, page_keys
-from mlx_llm.decode.sampling import SamplingRows, choose_keyed
-from mlx_llm.decode.sampling import reply_keys
+from mlx_llm.decode.sampling import SamplingRows, choose_keyed, reply_keys
 from mlx_llm.decode.state import DecodeState, _layers_of, forward_cached, init_cache, require_causal, unstack_layers
 from mlx_llm.decode.step import last_valid, tokens_only
 from mlx_llm.errors import InputError
