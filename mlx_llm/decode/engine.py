@@ -205,13 +205,14 @@ class Engine:
     unroll_layers: as ``generate``'s (False scans the stacked weights: slower steps, faster compiles).
     width_buckets: the page-table widths (in pages) a call may have: a call's rows read the narrowest that holds
     their pages, so attention over pages costs what the longest row of the call holds, not ``max_len``
-    (default: 64 positions × 4^k, and ⌈max_len / page_size⌉ always)."""
+    (default: 64 positions × 4^k, and ⌈max_len / page_size⌉ always). row_buckets: the row counts a call may have
+    (default the powers of two below max_seqs; max_seqs always): fewer buckets, fewer programs, more padded rows."""
 
     def __init__(self, params: Params, cfg: ModelConfig, *, max_seqs: int = 8, max_len: int | None = None,
                  page_size: int = 16, pages: int | None = None, token_budget: int = 256, chunk_buckets=None,
                  decode_steps: int = 8, prefix_caching: bool | None = None, max_stop_ids: int = 8,
                  detokenize: Callable[[list], str] | None = None, unroll_layers: bool = True, width_buckets=None,
-                 kernels=None):
+                 row_buckets=None, kernels=None):
         require_causal(cfg)
         self.params, self.cfg, self.kernels = params, cfg, resolved(kernels)
         self.max_seqs = _positive("max_seqs", max_seqs)
@@ -230,7 +231,13 @@ class Engine:
                                     for c in chunk_buckets):
             raise InputError(f"chunk_buckets = {chunk_buckets!r} is invalid: it must list integers ≥ 2")
         self.chunk_buckets = tuple(sorted({int(c) for c in chunk_buckets}))
-        self.row_buckets = _buckets(self.max_seqs)
+        if row_buckets is None:
+            row_buckets = _buckets(self.max_seqs)
+        if any(isinstance(r, bool) or not isinstance(r, numbers.Integral) or not 1 <= r <= self.max_seqs
+               for r in row_buckets):
+            raise InputError(f"row_buckets = {row_buckets!r} is invalid: it must list integers in [1, max_seqs = "
+                             f"{self.max_seqs}]")
+        self.row_buckets = tuple(sorted({int(r) for r in row_buckets} | {self.max_seqs}))
         if width_buckets is None:
             width_buckets, w = [], -(-64 // self.page_size)
             while w < self.n_pages:
@@ -242,12 +249,16 @@ class Engine:
         dtype = params["embed"].dtype
         state = init_cache(cfg, self.max_seqs + 1, self.n_pages * self.page_size, dtype,
                            pages=cache_lib.Pages(count, self.page_size))
-        self.stores = state.stores
+        # placed as the calls return them (replicated over the parameters' mesh, when they have one), so the first
+        # call compiles the program every later call uses
+        placed = getattr(params["embed"], "sharding", None)
+        self.stores = jax.device_put(state.stores, jax.sharding.NamedSharding(placed.mesh, jax.sharding.PartitionSpec())
+                                     if isinstance(placed, jax.sharding.NamedSharding) else jax.devices()[0])
         self.paged = any(isinstance(s, cache_lib.PagedKVCache) for s in self.stores.values())
         # a model with no paged layer reads no page table: one width, one compile per shape
         self.width_buckets = tuple(sorted({int(w) for w in width_buckets if w < self.n_pages} | {self.n_pages})) \
             if self.paged else (self.n_pages,)
-        per_row = [k for k, s in self.stores.items() if not isinstance(s, cache_lib.PagedKVCache)]
+        per_row = [k for k, s in state.stores.items() if not isinstance(s, cache_lib.PagedKVCache)]
         if prefix_caching and per_row:
             raise InputError(f"prefix_caching = True is invalid for this model: its {', '.join(per_row)} layers "
                              "keep their state per row, not in pages, so a cached prefix would lack it")
@@ -604,3 +615,36 @@ class Engine:
             s, z = np.full((r,), self.scratch, np.int32), np.zeros((r,), np.int32)
             self.stores = _fork_jit(self.stores, s, s, z, z)
         return compiles() - before
+
+
+def complete(params: Params, cfg: ModelConfig, requests, *, max_seqs: int = 64, page_size: int = 16,
+             detokenize: Callable[[list], str] | None = None, kernels=None, unroll_layers: bool = True) -> list:
+    """Every request of ``requests`` through one engine sized to them; their ``Completion`` objects, in order.
+
+    The samplers of the project (``generate``, ``chat``, ``eval-task``, the lm-eval harness, RL and PPO rollouts,
+    reply sampling for pairs) call this: rows for up to ``max_seqs`` replies at once (the next power of two that
+    holds them all, when fewer), positions for the longest prompt plus its ``max_tokens``, and a pool that holds
+    every row at that length (so nothing is preempted). The engine's buckets keep the programs few: a later call
+    with the same model and sizes compiles nothing."""
+    requests = list(requests)
+    if not requests:
+        return []
+    if any(not isinstance(r, Request) for r in requests):
+        raise InputError("complete() takes a list of engine.Request")
+    replies = sum(_positive("n", r.n) for r in requests)
+    longest = max(len(tuple(r.prompt)) + _positive("max_tokens", r.max_tokens) for r in requests)
+    if longest > cfg.max_seq_len:
+        raise InputError(f"a prompt plus its max_tokens needs {longest} positions, more than the model's "
+                         f"max_seq_len = {cfg.max_seq_len}")
+    rows = _fit(_buckets(_positive("max_seqs", max_seqs)), min(replies, max_seqs))
+    page_size = _positive("page_size", page_size)
+    max_len = min(-(-longest // page_size) * page_size, cfg.max_seq_len)
+    prompt = _fit(_buckets(max_len, 16), min(max(len(tuple(r.prompt)) for r in requests), max_len))
+    stop_ids = max(len(tuple(r.stop_ids)) for r in requests)
+    # few programs (each costs seconds of XLA compile): two row counts, one prompt-chunk length, and a budget
+    # that prefills a full batch of prompts in one call
+    engine = Engine(params, cfg, max_seqs=rows, max_len=max_len, page_size=page_size,
+                    max_stop_ids=max(8, stop_ids), detokenize=detokenize, kernels=kernels,
+                    unroll_layers=unroll_layers, row_buckets=(max(rows // 8, 1),), chunk_buckets=(max(prompt, 2),),
+                    token_budget=max(rows, min(rows * prompt, 8192)))
+    return engine.run(requests)

@@ -206,6 +206,17 @@ def _check_request(cfg: ModelConfig, prompt_BT, max_new_tokens, prompt_lengths, 
     return jnp.asarray(prompt[:, :longest], jnp.int32), jnp.asarray(lengths, jnp.int32)
 
 
+def check_generation(cfg: ModelConfig, prompt_BT, max_new_tokens, *, temperature=None, top_k=None, top_p=None,
+                     beam_width=None, length_penalty=None, eos_id=None, pad_id: int = 0, seed: int = 0,
+                     prompt_lengths=None):
+    """``generate``'s checks, before any work (the engine's callers give the same errors): returns (settings, the
+    prompt cut to its longest row, lengths). ``ConfigError`` for invalid settings, ``InputError`` for prompts/ids."""
+    require_causal(cfg)
+    settings = DecodeSettings(temperature=temperature, top_k=top_k, top_p=top_p, beam_width=beam_width,
+                              length_penalty=length_penalty).check_vocab(cfg.vocab_size)
+    return (settings, *_check_request(cfg, prompt_BT, max_new_tokens, prompt_lengths, eos_id, pad_id, seed))
+
+
 def generate(params: Params, cfg: ModelConfig, prompt_BT, max_new_tokens: int, *, temperature=None, top_k=None,
              top_p=None, beam_width=None, length_penalty=None, eos_id=None, pad_id: int = 0, seed: int = 0,
              prompt_lengths=None, unroll_layers: bool = True, kernels=None) -> GenerationResult:
@@ -221,10 +232,10 @@ def generate(params: Params, cfg: ModelConfig, prompt_BT, max_new_tokens: int, *
     ``forward_cached``). The prefill always scans. Results are identical; False compiles faster for deep models.
     ``kernels``: the execution paths (default the reference ones): the prompt's attention and every MoE layer.
     """
-    require_causal(cfg)
-    settings = DecodeSettings(temperature=temperature, top_k=top_k, top_p=top_p, beam_width=beam_width,
-                              length_penalty=length_penalty).check_vocab(cfg.vocab_size)
-    prompt, lengths = _check_request(cfg, prompt_BT, max_new_tokens, prompt_lengths, eos_id, pad_id, seed)
+    settings, prompt, lengths = check_generation(cfg, prompt_BT, max_new_tokens, temperature=temperature,
+                                                 top_k=top_k, top_p=top_p, beam_width=beam_width,
+                                                 length_penalty=length_penalty, eos_id=eos_id, pad_id=pad_id,
+                                                 seed=seed, prompt_lengths=prompt_lengths)
     static = dict(cfg=cfg, max_new_tokens=int(max_new_tokens), eos_id=None if eos_id is None else int(eos_id),
                   pad_id=int(pad_id), unroll_layers=bool(unroll_layers), kernels=resolved(kernels))
     if settings.mode == "beam":

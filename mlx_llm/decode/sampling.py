@@ -250,6 +250,14 @@ def reply_keys(seeds_R2, reply_R, t_R) -> jax.Array:
     return jax.vmap(one)(jnp.asarray(seeds_R2, jnp.uint32), jnp.asarray(reply_R, jnp.int32), jnp.asarray(t_R, jnp.int32))
 
 
+def prompt_seed(seed: int, i: int) -> int:
+    """The request seed of prompt ``i`` of a batch sampled with ``seed``: a hash of (seed, i) in [0, 2**63), so the
+    prompts of one call draw independent noise (the key rule of ``reply_keys`` reads the request seed, the reply
+    index and t only) and a prompt's reply does not depend on the batch it was sent in, only on (seed, i)."""
+    state = np.random.SeedSequence([int(seed), int(i)]).generate_state(2, np.uint32)
+    return (int(state[0]) << 31) ^ int(state[1])
+
+
 def choose_keyed(keys_R, logits_BV: jax.Array, rows: SamplingRows):
     """``choose_rows`` with one key per row (``reply_keys``): row b's draw reads its own key only, so its token does
     not depend on the other rows of the batch. Returns (tokens, log q, log of the kept mass): the mass of
