@@ -299,3 +299,51 @@ def test_the_docs_tables_are_rendered_from_the_results_file():
 
     page = (Path(__file__).resolve().parents[1] / "docs" / "engine.md").read_text()
     assert bench_engine.render(common.load_result("bench_engine")) in page
+
+
+@pytest.mark.slow
+def test_the_samplers_reply_through_the_engine_as_generate_and_batch_free():
+    """``eval.replies.sample_replies`` (eval-task, RL and PPO rollouts, pairs) runs on ``engine.complete``: greedy
+    replies are ``generate``'s tokens; a prompt's n seeded replies come out prompt by prompt, differ from each
+    other, carry log q, and are the same in another batch (prompt i is seeded ``prompt_seed(seed, i)``)."""
+    from mlx_llm.data.chat import ChatTemplate
+    from mlx_llm.data.tokenizer import ByteTokenizer
+    from mlx_llm.eval.replies import sample_replies
+
+    tok, template = ByteTokenizer(), ChatTemplate()
+    cfg = dataclasses.replace(DENSE, vocab_size=tok.vocab_size, max_seq_len=48)
+    params = random_params(cfg, 7)
+    prompts = [[{"role": "user", "content": text}] for text in ("1+2", "hello there", "x")]
+    encoded = [template.encode(m, tok, generation_prompt=True)[0] for m in prompts]
+    padded = np.zeros((3, max(map(len, encoded))), np.int32)
+    for i, ids in enumerate(encoded):
+        padded[i, :len(ids)] = ids
+    out = generate(params, cfg, padded, 6, eos_id=tok.token_id(template.end), pad_id=tok.pad_id,
+                   prompt_lengths=np.asarray([len(e) for e in encoded]))
+    greedy = sample_replies(params, cfg, tok, template, prompts, 6, batch_size=4)
+    for i, (reply, _) in enumerate(greedy):
+        assert reply.tolist() == np.asarray(out.tokens)[i, :int(out.lengths[i])].tolist()
+    sampled = sample_replies(params, cfg, tok, template, prompts, 6, temperature=1.0, seed=11, n=2, batch_size=4,
+                             with_logq=True)
+    assert len(sampled) == 6
+    assert sampled[2][0].tolist() != sampled[3][0].tolist()  # prompt 1's two replies: two draws
+    assert all(len(logq) == len(reply) and np.all(logq < 0) for reply, _, logq in sampled)
+    fewer = sample_replies(params, cfg, tok, template, prompts[:2], 6, temperature=1.0, seed=11, n=2, batch_size=4,
+                           with_logq=True)
+    for (reply, _, logq), other in zip(sampled[:4], fewer):
+        assert reply.tolist() == other[0].tolist()
+        np.testing.assert_allclose(logq, other[2], rtol=0, atol=1e-6)
+
+
+def test_complete_sizes_one_engine_and_refuses_bad_work_in_one_line():
+    params = random_params(DENSE, 0)
+    assert engine_lib.complete(params, DENSE, []) == []
+    with pytest.raises(InputError, match="more than the model's max_seq_len = 32"):
+        engine_lib.complete(params, DENSE, [Request((1,) * 30, max_tokens=3)])
+    with pytest.raises(InputError, match="complete\\(\\) takes a list of engine.Request"):
+        engine_lib.complete(params, DENSE, [(1, 2)])
+    with pytest.raises(InputError, match="row_buckets = \\(9,\\) is invalid"):
+        Engine(params, DENSE, max_seqs=4, row_buckets=(9,))
+    from mlx_llm.decode.sampling import prompt_seed
+    seeds = [prompt_seed(s, i) for s in (0, 1) for i in range(100)]
+    assert len(set(seeds)) == 200 and all(0 <= s < 2**63 for s in seeds) and prompt_seed(0, 5) == seeds[5]

@@ -34,8 +34,10 @@ What it computes, and how:
   disjoint): the first window predicts the first ``max_seq_len`` tokens after BOS/EOS, each later window the
   next ``max_seq_len`` given the token before them, the last one the remaining tokens given a full window; every
   token is scored exactly once and the windows are scored like loglikelihood requests.
-- ``generate_until``: ``decode.generate.generate`` (greedy unless the request's ``temperature`` > 0 or
-  ``do_sample``; ``top_k`` / ``top_p`` when sampling), stopped at EOS and cut at the first ``until`` string;
+- ``generate_until``: the inference engine (``decode.engine.complete``: every request in one run, each with its
+  own settings, request k seeded with ``sampling.prompt_seed(seed, k)``; greedy unless the request's
+  ``temperature`` > 0 or ``do_sample``; ``top_k`` / ``top_p`` when sampling), stopped at EOS or the first
+  ``until`` string and cut before it;
   ``max_gen_toks`` (default 256) is capped at ``max_seq_len`` − 1 and the prompt keeps its last
   ``max_seq_len`` − ``max_gen_toks`` tokens. Any other generation setting is refused, not ignored.
 
@@ -73,7 +75,8 @@ except ImportError:
         raise ConfigError("lm_eval is not installed: pip install 'mlx_llm[eval]'") from None
     raise
 
-from mlx_llm.decode.generate import generate
+from mlx_llm.decode.engine import Request, complete
+from mlx_llm.decode.sampling import prompt_seed
 from mlx_llm.model import forward, resolved
 from mlx_llm.ops import token_nll
 from mlx_llm.runs.load import as_run, checkpoint_step, load_params
@@ -192,7 +195,7 @@ def score(params, cfg, seqs: list[tuple[list[int], int]], *, batch_size: int = D
 # ----- generation settings -----------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class GenSettings:
-    """A generate_until request's settings, as ``generate`` takes them (temperature None: greedy)."""
+    """A generate_until request's settings (temperature None: greedy)."""
 
     until: tuple[str, ...]
     max_new_tokens: int
@@ -301,42 +304,33 @@ class MLXLM(LM):
         return totals
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        """The continuation of each (context, gen_kwargs) request, requests of equal settings batched together."""
-        groups: dict[GenSettings, list[int]] = {}
-        for k, req in enumerate(requests):
-            groups.setdefault(gen_settings(req.args[1], self.max_length), []).append(k)
-        out: list = [None] * len(requests)
-        for settings, ks in groups.items():
-            for k, text in zip(ks, self._generate(settings, [requests[k].args[0] for k in ks])):
-                out[k] = text
-                self.cache_hook.add_partial("generate_until", requests[k].args, text)
+        """The continuation of each (context, gen_kwargs) request: every request through one engine run
+        (``_generate``), each with its own settings."""
+        settings = [gen_settings(req.args[1], self.max_length) for req in requests]
+        out = self._generate(settings, [req.args[0] for req in requests])
+        for req, text in zip(requests, out):
+            self.cache_hook.add_partial("generate_until", req.args, text)
         return out
 
     def _prompt(self, context: str, keep: int) -> list[int]:
         ids = [int(i) for i in self.tok.bos_prefix] + (self.tok.encode(context).tolist() if context else [])
         return (ids or [self.prefix_id])[-keep:]
 
-    def _generate(self, settings: GenSettings, contexts: list[str]) -> list[str]:
-        """Greedy or sampled continuations through ``generate``, ``batch_size`` prompts a call, longest first."""
-        prompts = [self._prompt(c, self.max_length - settings.max_new_tokens) for c in contexts]
-        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-        out: list = [None] * len(prompts)
-        for call, start in enumerate(range(0, len(order), self.batch_size)):
-            rows = order[start:start + self.batch_size]
-            rows_full = rows + [rows[0]] * (self.batch_size - len(rows))  # one batch shape for every call
-            ids = np.full((self.batch_size, len(prompts[rows[0]])), self.tok.pad_id, np.int32)
-            for r, i in enumerate(rows_full):
-                ids[r, :len(prompts[i])] = prompts[i]
-            res = generate(self.params, self.cfg, ids, settings.max_new_tokens, temperature=settings.temperature,
-                           top_k=settings.top_k, top_p=settings.top_p, eos_id=self.tok.eos_id,
-                           pad_id=self.tok.pad_id, seed=self.seed + call,
-                           prompt_lengths=np.asarray([len(prompts[i]) for i in rows_full], np.int32),
-                           kernels=self.kernels)
-            tokens, lengths = np.asarray(res.tokens), np.asarray(res.lengths)
-            for r, i in enumerate(rows):
-                text = self.tok.decode(tokens[r, :lengths[r]], skip_special=True)
-                out[i] = cut_at_stop(text, settings.until)
-        return out
+    def _generate(self, settings: list, contexts: list[str]) -> list[str]:
+        """Greedy or sampled continuations of ``contexts`` (request k with ``settings[k]``) through the engine
+        (``decode.engine.complete``, ``batch_size`` replies at once): request k is seeded with
+        ``sampling.prompt_seed(seed, k)``, stops at EOS, its ``max_new_tokens`` or a stop string, and its text is
+        cut before the first stop string."""
+        detokenize = lambda ids: self.tok.decode(np.asarray(ids, np.int32), skip_special=True)
+        eos = () if self.tok.eos_id is None else (int(self.tok.eos_id),)
+        requests = [Request(tuple(self._prompt(c, self.max_length - s.max_new_tokens)), max_tokens=s.max_new_tokens,
+                            temperature=s.temperature or 0.0, top_k=s.top_k or 0,
+                            top_p=1.0 if s.top_p is None else s.top_p, stop_ids=eos,
+                            stop=tuple(u for u in s.until if u), seed=prompt_seed(self.seed, k))
+                    for k, (s, c) in enumerate(zip(settings, contexts))]
+        done = complete(self.params, self.cfg, requests, max_seqs=self.batch_size, detokenize=detokenize,
+                        kernels=self.kernels)
+        return [cut_at_stop(detokenize(d.replies[0].tokens), s.until) for d, s in zip(done, settings)]
 
 
 # ----- evaluating a run: tasks, the harness, the results file ------------------------------------------------------

@@ -12,7 +12,8 @@ from mlx_llm.config import ModelConfig
 from mlx_llm.data import tasks as tasks_lib
 from mlx_llm.data.chat import ChatTemplate
 from mlx_llm.data.templates import template_for
-from mlx_llm.decode.generate import generate
+from mlx_llm.decode.engine import Engine, Request, complete
+from mlx_llm.decode.sampling import DecodeSettings, prompt_seed
 from mlx_llm.errors import ConfigError, InputError
 
 REPLY_TOKENS = {"arithmetic": 8, "addition2": 8, "name_function": 40}  # new tokens eval_task allows per reply
@@ -20,12 +21,15 @@ REPLY_TOKENS = {"arithmetic": 8, "addition2": 8, "name_function": 40}  # new tok
 
 def sample_replies(params, cfg: ModelConfig, tok, template: ChatTemplate, prompts, max_new_tokens: int, *,
                    temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
-                   seed: int = 0, batch_size: int = 64, with_logq: bool = False) -> list:
-    """The model's reply to each conversation of ``prompts`` (rendered with the assistant marker), decoded until
-    the end-of-turn marker or ``max_new_tokens``: greedy (``temperature`` None) or sampled from p^(1/T) (cut to
-    ``top_k`` / ``top_p``) with the jitted decoder. Returns [(reply ids, end marker included when produced), text
-    (marker dropped)], with ``with_logq`` a third item: log q of each reply id under the decoder (float32 array).
-    The tokenizer's own chat template, when it has one, renders the prompts (``template_for``)."""
+                   seed: int = 0, batch_size: int = 64, with_logq: bool = False, n: int = 1, kernels=None) -> list:
+    """The model's ``n`` replies to each conversation of ``prompts`` (rendered with the assistant marker), decoded
+    until the end-of-turn marker or ``max_new_tokens`` by the engine (``decode.engine.complete``, up to
+    ``batch_size`` replies at once): greedy (``temperature`` None) or sampled from p^(1/T) (cut to ``top_k`` /
+    ``top_p``); prompt i's request seed is ``sampling.prompt_seed(seed, i)``, so its replies do not depend on the
+    batch, and its n replies share the prompt's computation. Returns, prompt by prompt, n rows each of [(reply ids,
+    end marker included when produced), text (marker dropped)], with ``with_logq`` a third item: log q of each reply
+    id under the sampler (float32 array). The tokenizer's own chat template, when it has one, renders the prompts
+    (``template_for``)."""
     template = template_for(tok, template)
     end_id = tok.token_id(template.end)
     encoded = [template.encode(m, tok, generation_prompt=True)[0] for m in prompts]
@@ -33,22 +37,16 @@ def sample_replies(params, cfg: ModelConfig, tok, template: ChatTemplate, prompt
     if longest + max_new_tokens > cfg.max_seq_len:
         raise ConfigError(f"prompts of up to {longest} tokens + {max_new_tokens} new tokens exceed the model's "
                           f"max_seq_len = {cfg.max_seq_len}")
+    requests = [Request(tuple(int(t) for t in p), max_tokens=max_new_tokens, temperature=temperature or 0.0,
+                        top_k=top_k or 0, top_p=1.0 if top_p is None else top_p, stop_ids=(end_id,),
+                        seed=prompt_seed(seed, i), n=n, logprobs=with_logq) for i, p in enumerate(encoded)]
     out_replies = []
-    for i in range(0, len(encoded), batch_size):
-        chunk = encoded[i:i + batch_size]
-        chunk = chunk + [chunk[0]] * (batch_size - len(chunk))  # one compiled shape
-        lengths = np.array([len(p) for p in chunk], np.int32)
-        padded = np.full((batch_size, longest), tok.pad_id, np.int32)
-        for r, p in enumerate(chunk):
-            padded[r, :len(p)] = p
-        out = generate(params, cfg, padded, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                       eos_id=end_id, pad_id=tok.pad_id, prompt_lengths=lengths, seed=seed + i)
-        toks, lens, logq = np.asarray(out.tokens), np.asarray(out.lengths), np.asarray(out.token_logq)
-        for r in range(min(batch_size, len(encoded) - i)):
-            reply = toks[r, :lens[r]]
-            text = reply[:-1] if lens[r] and reply[-1] == end_id else reply
-            out_replies.append((reply, tok.decode(text, skip_special=True))
-                               + ((logq[r, :lens[r]],) if with_logq else ()))
+    for done in complete(params, cfg, requests, max_seqs=batch_size, kernels=kernels):
+        for reply in done.replies:
+            ids = np.asarray(reply.tokens, np.int32)
+            text = ids[:-1] if ids.size and ids[-1] == end_id else ids
+            out_replies.append((ids, tok.decode(text, skip_special=True))
+                               + ((np.asarray(reply.logq, np.float32),) if with_logq else ()))
     return out_replies
 
 
@@ -71,14 +69,19 @@ def eval_task(params, cfg: ModelConfig, tok, task: str, template: ChatTemplate =
 
 
 def chat_session(params, cfg: ModelConfig, tok, template, *, system: str | None = None, max_new_tokens: int = 128,
-                 temperature: float | None = None, read=input, write=print) -> int:
+                 temperature: float | None = None, seed: int = 0, read=input, write=print, kernels=None) -> int:
     """The ``chat`` command's loop: each line read is the user's turn, the model's reply (decoded until the
     template's end-of-turn marker) is written and kept in the conversation; an empty line or end of input ends
-    it (returns 0). A turn that cannot be sent — its prompt would leave no room in the model's context
+    it (returns 0). The replies come from one engine kept for the session (turn i sampled with
+    ``sampling.prompt_seed(seed, i)``). A turn that cannot be sent — its prompt would leave no room in the model's context
     (``cfg.max_seq_len``), or the template refuses it — is reported and dropped; the session goes on."""
+    DecodeSettings(temperature=temperature)  # a bad temperature is refused before the first turn
     template = template_for(tok, template)
     end_id = tok.token_id(template.end)
     messages = [{"role": "system", "content": system}] if system else []
+    # one engine for the session: its pages keep the conversation so far, so a turn computes only its new tokens
+    # (where every layer is paged; prefix caching)
+    engine, turns = Engine(params, cfg, max_seqs=1, kernels=kernels), 0
     while True:
         try:
             line = read("you> ").strip()
@@ -97,7 +100,9 @@ def chat_session(params, cfg: ModelConfig, tok, template, *, system: str | None 
             write(f"(not sent: with this message the prompt is {len(ids)} tokens and the model reads at most "
                   f"{cfg.max_seq_len}, leaving no room for a reply; send a shorter message, or an empty line to end)")
             continue
-        out = generate(params, cfg, ids[None], n_new, temperature=temperature, eos_id=end_id, pad_id=tok.pad_id)
-        text = tok.decode(np.asarray(out.tokens[0])[: int(out.lengths[0])], skip_special=True)
+        reply = engine.run([Request(tuple(int(t) for t in ids), max_tokens=n_new, temperature=temperature or 0.0,
+                                    stop_ids=(end_id,), seed=prompt_seed(seed, turns))])[0].replies[0]
+        turns += 1
+        text = tok.decode(np.asarray(reply.tokens, np.int32), skip_special=True)
         write("model> " + text)
         messages = turn + [{"role": "assistant", "content": text if text.strip() else "…"}]

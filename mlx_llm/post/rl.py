@@ -5,7 +5,8 @@ Maximise J(π) = E_{y∼π}[r(y)] − β KL(π ‖ π_ref). Over a finite set of
     π*(y) = π_ref(y) e^{r(y)/β} / Z,   Z = Σ_y π_ref(y) e^{r(y)/β},   J(π*) = β ln Z = E_{π*}[r] − β KL(π* ‖ π_ref)
 
 (``leash``). On-policy RL estimates ∇J from samples: for each prompt the sampler draws k replies from the policy
-with the jitted decoder (``--temperature``, ``--top-k``, ``--top-p``; recording log q of every token), each is
+with the inference engine (``--temperature``, ``--top-k``, ``--top-p``; recording log q of every token; a
+group's k replies are one request, so its prompt is computed once), each is
 scored (the task's exact checker, or a reward model), and the estimator (post/estimator.py: group, grpo,
 dr_grpo, dapo, gspo, ppo; the KL in the reward or the loss) turns the rollout into advantages and a loss. The
 default, ``group`` with the KL in the reward,
@@ -111,8 +112,8 @@ def sampled_kl(policy, reference, base: prologue.Base, prompts, max_new_tokens: 
 
 class Sampler:
     """The host side of a step: P prompts of the task (an epoch permutation of (seed, epoch)), k replies to each
-    from the current policy drawn by the decoder with the settings' temperature, top-k and top-p (seeded by (seed,
-    step)), their sequences, rewards and the decoder's log q of every reply token. With dynamic sampling, groups
+    from the current policy drawn by the engine with the settings' temperature, top-k and top-p (seeded by (seed,
+    step)), their sequences, rewards and the engine's log q of every reply token. With dynamic sampling, groups
     whose rewards are all equal are replaced by groups of more prompts (up to ``sampling_rounds`` rounds, each
     seeded by (seed, step, round)); groups still equal stay in the batch with ``keep`` 0."""
 
@@ -148,10 +149,11 @@ class Sampler:
         """k replies to each prompt index of ``prompts``: their rows (prompt index, reply ids, text, log q), the
         checker's verdicts and the rewards."""
         base, idx = self.base, np.repeat(prompts, self.k)
+        # a group's k replies are one request with n = k: the engine computes its prompt once
         replies = sample_replies(params, base.cfg, base.tok, base.template,
-                                 [tasks_lib.prompt_messages(self.examples[i]) for i in idx], self.max_new,
+                                 [tasks_lib.prompt_messages(self.examples[i]) for i in prompts], self.max_new,
                                  temperature=self.s.temperature, top_k=self.s.top_k, top_p=self.s.top_p, seed=seed,
-                                 batch_size=len(idx), with_logq=True)
+                                 batch_size=len(idx), with_logq=True, n=self.k)
         correct = np.array([tasks_lib.check(self.task, text, self.examples[i]["answer"])
                             for i, (_, text, _) in zip(idx, replies)], np.float32)
         reward = correct

@@ -6,7 +6,8 @@ import numpy as np
 
 from mlx_llm.config import SEED_MAX, ModelConfig
 from mlx_llm.decode.diffusion import sample
-from mlx_llm.decode.generate import generate
+from mlx_llm.decode.engine import Request, complete
+from mlx_llm.decode.generate import check_generation, generate
 from mlx_llm.errors import ConfigError
 from mlx_llm.settings import check_int
 from mlx_llm.runs.load import as_run, checkpoint_step, load_params
@@ -25,10 +26,13 @@ def closing_sample(params, cfg: ModelConfig, tok, prompt: str, max_new_tokens: i
         out = np.asarray(sample(params, cfg, ids, n_new, steps=DIFFUSION_SAMPLE_STEPS, mask_id=tok.mask_id,
                                 temperature=temperature, seed=seed))[0, ids.shape[1]:]
         return prompt + tok.decode(_until_eos(out, tok.eos_id), skip_special=True)
-    out = generate(params, cfg, ids, n_new, temperature=temperature, top_p=top_p, eos_id=tok.eos_id,
-                   pad_id=tok.pad_id, seed=seed)
-    new = np.asarray(out.tokens[0])[: int(out.lengths[0])]
-    return prompt + tok.decode(new, skip_special=True)
+    reply = complete(params, cfg, [Request(tuple(int(t) for t in ids[0]), max_tokens=n_new, temperature=temperature,
+                                           top_p=top_p, stop_ids=_stop_ids(tok), seed=seed)])[0].replies[0]
+    return prompt + tok.decode(np.asarray(reply.tokens, np.int32), skip_special=True)
+
+
+def _stop_ids(tok) -> tuple:
+    return () if tok.eos_id is None else (int(tok.eos_id),)
 
 
 def _until_eos(ids, eos_id: int):
@@ -80,11 +84,22 @@ def generate_from_run(run_dir, prompt: str, *, max_new_tokens: int, temperature=
         raise ConfigError("--diffusion-steps and --sampler are settings of a diffusion run; this run is "
                           "autoregressive (objective 'ar'): sample it with --temperature / --top-k / --top-p / --beam")
     params = load_params(run, ckpt_step)
-    out = generate(params, cfg, ids[None], max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                   beam_width=beam_width, eos_id=tok.eos_id, pad_id=tok.pad_id, seed=seed, kernels=kernels)
-    new = np.asarray(out.tokens[0])[: int(out.lengths[0])]
+    if beam_width is not None:  # beam search keeps its own loop (a search over beams, not one token per row)
+        out = generate(params, cfg, ids[None], max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                       beam_width=beam_width, eos_id=tok.eos_id, pad_id=tok.pad_id, seed=seed, kernels=kernels)
+        new = np.asarray(out.tokens[0])[: int(out.lengths[0])]
+        logq, logp = float(np.asarray(out.logq)[0]), float(np.asarray(out.logp)[0])
+    else:
+        check_generation(cfg, ids[None], max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                         eos_id=tok.eos_id, pad_id=tok.pad_id, seed=seed)
+        reply = complete(params, cfg, [Request(tuple(int(t) for t in ids), max_tokens=max_new_tokens,
+                                               temperature=temperature or 0.0, top_k=top_k or 0,
+                                               top_p=1.0 if top_p is None else top_p, stop_ids=_stop_ids(tok),
+                                               seed=seed, logprobs=True)], kernels=kernels)[0].replies[0]
+        new = np.asarray(reply.tokens, np.int32)
+        logq, logp = float(np.sum(reply.logq)), float(np.sum(reply.logp))
     return {"run": str(run_dir), "checkpoint_step": ckpt_step, "prompt": prompt, "prompt_ids": ids.tolist(),
             "settings": {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k,
                          "top_p": top_p, "beam_width": beam_width, "eos_id": tok.eos_id},
             "seed": seed, "continuation_ids": new.tolist(), "continuation": tok.decode(new, skip_special=True),
-            "logq": float(np.asarray(out.logq)[0]), "logp": float(np.asarray(out.logp)[0])}
+            "logq": logq, "logp": logp}
