@@ -340,10 +340,33 @@ def test_complete_sizes_one_engine_and_refuses_bad_work_in_one_line():
     assert engine_lib.complete(params, DENSE, []) == []
     with pytest.raises(InputError, match="more than the model's max_seq_len = 32"):
         engine_lib.complete(params, DENSE, [Request((1,) * 30, max_tokens=3)])
-    with pytest.raises(InputError, match="complete\\(\\) takes a list of engine.Request"):
+    with pytest.raises(InputError, match="complete\\(\\) takes a non-empty list of engine.Request"):
         engine_lib.complete(params, DENSE, [(1, 2)])
     with pytest.raises(InputError, match="row_buckets = \\(9,\\) is invalid"):
         Engine(params, DENSE, max_seqs=4, row_buckets=(9,))
     from mlx_llm.decode.sampling import prompt_seed
     seeds = [prompt_seed(s, i) for s in (0, 1) for i in range(100)]
     assert len(set(seeds)) == 200 and all(0 <= s < 2**63 for s in seeds) and prompt_seed(0, 5) == seeds[5]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["dense_gqa", "hybrid"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("unroll", [True, False])
+def test_log_p_is_the_trainers_score_bit_for_bit_at_equal_shapes(kind, dtype, unroll):
+    """Prompts computed in one chunk of T tokens (a page table of T positions): the first reply token's log p is
+    the trainer's scoring of the same B × T inputs (``ppo.token_logprobs_and_values``, RL's rollout scoring) bit
+    for bit, in float32 and in bfloat16, the layers unrolled or scanned (the unrolled stack rounds the residual
+    stream where the trainer's scan does), a dense stack and a hybrid of period 4."""
+    from mlx_llm.post import ppo
+
+    cfg = KINDS[kind]
+    params = jax.tree.map(lambda a: a.astype(dtype), random_params(cfg, 3))
+    prompts = [tuple(range(3, 11)), (7, 1, 4, 4, 20, 2, 9, 9)]
+    eng = Engine(params, cfg, max_seqs=2, max_len=12, page_size=4, token_budget=16, chunk_buckets=(8,),
+                 width_buckets=(2,), row_buckets=(2,), decode_steps=1, unroll_layers=unroll)
+    done = eng.run([Request(p, max_tokens=1, temperature=1.0, seed=i, logprobs=True) for i, p in enumerate(prompts)])
+    seqs = jnp.asarray([list(p) + d.replies[0].tokens for p, d in zip(prompts, done)], jnp.int32)
+    score = jax.jit(lambda s: ppo.token_logprobs_and_values(params, None, cfg, {"ids": s})[0])
+    trainer = np.asarray(score(seqs))[:, -1]
+    np.testing.assert_array_equal(np.asarray([d.replies[0].logp[0] for d in done], trainer.dtype), trainer)

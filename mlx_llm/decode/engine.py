@@ -51,7 +51,7 @@ from mlx_llm.decode.state import DecodeState, _layers_of, forward_cached, init_c
 from mlx_llm.decode.step import last_valid, tokens_only
 from mlx_llm.errors import InputError
 from mlx_llm.model import MIXERS, Params, resolved
-from mlx_llm.ops import SEED_MAX
+from mlx_llm.ops import SEED_MAX, token_nll
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,10 +153,11 @@ def _dispatch(params, layers, stores, blank, rows_R, lengths_R, table_RN, tokens
         state, tokens_RT, n_new_R, active_R, left_R = carry
         logits_RTV, state = forward_cached(params, tokens_RT, state, cfg, n_new_B=n_new_R, layers=layers,
                                            kernels=kernels)
-        logits_RV = tokens_only(last_valid(logits_RTV, jnp.maximum(n_new_R, 1)), cfg)
-        tok_R, logq_R, mass_R = choose_keyed(reply_keys(seeds_R2, reply_R, t_R + i), logits_RV, sampling)
-        logp_R = jnp.take_along_axis(jax.nn.log_softmax(logits_RV.astype(logq_R.dtype), axis=-1), tok_R[:, None],
-                                     axis=-1)[:, 0]
+        last_RV = last_valid(logits_RTV, jnp.maximum(n_new_R, 1))
+        tok_R, logq_R, mass_R = choose_keyed(reply_keys(seeds_R2, reply_R, t_R + i), tokens_only(last_RV, cfg),
+                                             sampling)
+        # log p as the trainer scores it (ops.token_nll over the model's whole vocabulary, padding ids included)
+        logp_R = -token_nll(last_RV, tok_R)
         left_R = left_R - active_R.astype(jnp.int32)
         stopped_R = jnp.any(tok_R[:, None] == stop_RS, axis=-1) | (left_R <= 0)
         out = (tok_R, logq_R, logp_R, mass_R, active_R)
@@ -202,7 +203,9 @@ class Engine:
     ``chunk_buckets`` entry). decode_steps: decode steps per dispatch while nobody waits. prefix_caching: None
     (where every layer's state is paged), True (refuse a model where it is not) or False. max_stop_ids: the
     longest ``stop_ids`` a request may give. detokenize: token ids → text, for stop strings and ``Reply.text``.
-    unroll_layers: as ``generate``'s (False scans the stacked weights: slower steps, faster compiles).
+    unroll_layers: as ``generate``'s (True: per-layer weights, faster steps; False scans the stacked weights: faster
+    compiles). Either way the residual stream is rounded where the trainer's scan rounds it, so a token's log p is
+    the trainer's bit for bit at equal shapes.
     width_buckets: the page-table widths (in pages) a call may have: a call's rows read the narrowest that holds
     their pages, so attention over pages costs what the longest row of the call holds, not ``max_len``
     (default: 64 positions × 4^k, and ⌈max_len / page_size⌉ always). row_buckets: the row counts a call may have
@@ -274,6 +277,7 @@ class Engine:
         self.completions: dict[int, Completion] = {}
         self._ids, self._order = itertools.count(), itertools.count()
         self.preemptions = 0
+        self.tokens_computed = 0  # positions fed through the model (prompt chunks, recomputes and decode steps)
 
     # ----- requests ---------------------------------------------------------------------------------
     def check(self, request: Request) -> Request:
@@ -532,12 +536,14 @@ class Engine:
         now, events = time.perf_counter(), []
         for i, (seq, n) in enumerate(group):
             seq.computed += n
+            self.tokens_computed += n
             new = []
             for j in range(tokens.shape[1]):
                 if not emitted[i, j]:
                     break
                 if j > 0:
                     seq.computed += 1
+                    self.tokens_computed += 1
                 new.append(int(tokens[i, j]))
                 self._emit(seq, int(tokens[i, j]), logp[i, j], logq[i, j], mass[i, j], now)
                 if seq.out.finish_reason is not None:
@@ -627,10 +633,16 @@ def complete(params: Params, cfg: ModelConfig, requests, *, max_seqs: int = 64, 
     every row at that length (so nothing is preempted). The engine's buckets keep the programs few: a later call
     with the same model and sizes compiles nothing."""
     requests = list(requests)
-    if not requests:
-        return []
-    if any(not isinstance(r, Request) for r in requests):
-        raise InputError("complete() takes a list of engine.Request")
+    return sized_engine(params, cfg, requests, max_seqs=max_seqs, page_size=page_size, detokenize=detokenize,
+                        kernels=kernels, unroll_layers=unroll_layers).run(requests) if requests else []
+
+
+def sized_engine(params: Params, cfg: ModelConfig, requests, *, max_seqs: int = 64, page_size: int = 16,
+                 detokenize: Callable[[list], str] | None = None, kernels=None, unroll_layers: bool = True) -> Engine:
+    """The engine ``complete`` runs ``requests`` on (not yet submitted)."""
+    requests = list(requests)
+    if not requests or any(not isinstance(r, Request) for r in requests):
+        raise InputError("complete() takes a non-empty list of engine.Request")
     replies = sum(_positive("n", r.n) for r in requests)
     longest = max(len(tuple(r.prompt)) + _positive("max_tokens", r.max_tokens) for r in requests)
     if longest > cfg.max_seq_len:
@@ -647,4 +659,4 @@ def complete(params: Params, cfg: ModelConfig, requests, *, max_seqs: int = 64, 
                     max_stop_ids=max(8, stop_ids), detokenize=detokenize, kernels=kernels,
                     unroll_layers=unroll_layers, row_buckets=(max(rows // 8, 1),), chunk_buckets=(max(prompt, 2),),
                     token_budget=max(rows, min(rows * prompt, 8192)))
-    return engine.run(requests)
+    return engine

@@ -239,6 +239,10 @@ def forward_cached(params: Params, tokens_BT, cache: DecodeState, cfg: ModelConf
             if cfg.unet_skips and l >= half:  # H + w_{l−U}·H_{L−1−l} (model._unet_stack)
                 h_BTD = h_BTD + params["skip_weights"][l - half].astype(h_BTD.dtype) * outs[cfg.n_layers - 1 - l]
             h_BTD, stores = _cached_layer(h_BTD, stores, layer, cfg.layer_kinds(l), index[l], cfg, ctx, call)
+            if (l + 1) % cfg.period == 0:
+                # rounded where the scan's carry is (and the trainer's): XLA may otherwise keep a bfloat16 residual
+                # stream in float32 across groups, and the logits then differ from the trainer's by rounding
+                h_BTD = jax.lax.optimization_barrier(h_BTD)
             outs.append(h_BTD)
     else:
         per_period = {kind: sum(k[0] == kind for k in cfg.group_kinds) for kind in stores}
