@@ -70,8 +70,11 @@ def test_two_devices_with_accumulation_give_the_losses_of_one(one_and_two, kind)
     # rounding, and sampling (a discontinuous function of them) may then draw other replies; step 1's batch is
     # the same draw from the same parameters in both.
     compared = one[kind][:1] if kind.startswith("rl") else one[kind]
+    # an RL loss at the first update is a mean of terms that cancel (centred advantages, ρ = 1: "group"'s is 0 up
+    # to rounding), so it is compared at float32's resolution of the terms (1e-5), not 1e-6 of nothing
+    tol = 1e-5 if kind.startswith("rl") else 1e-6
     for a, b in zip(compared, two[kind]):
-        assert abs(a["loss"] - b["loss"]) <= 1e-6, (a, b)
+        assert abs(a["loss"] - b["loss"]) <= tol, (a, b)
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * max(1.0, a["grad_norm"]), (a, b)
     train = json.loads((root / "two" / kind / "train_config.json").read_text())
     assert train["mesh"] == "data=2" and train["grad_accum"] == 2
