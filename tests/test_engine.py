@@ -357,16 +357,23 @@ def test_log_p_is_the_trainers_score_bit_for_bit_at_equal_shapes(kind, dtype, un
     """Prompts computed in one chunk of T tokens (a page table of T positions): the first reply token's log p is
     the trainer's scoring of the same B × T inputs (``ppo.token_logprobs_and_values``, RL's rollout scoring) bit
     for bit, in float32 and in bfloat16, the layers unrolled or scanned (the unrolled stack rounds the residual
-    stream where the trainer's scan does), a dense stack and a hybrid of period 4."""
+    stream where the trainer's scan does; log p is taken over the call's whole (R, T, V) logits, as the trainer's)
+    for a dense stack; a hybrid of period 4 (Mamba, sliding window, MoE), whose chunks run other paths than the
+    trainer's, to 1e-5."""
     from mlx_llm.post import ppo
 
-    cfg = KINDS[kind]
+    cfg = dataclasses.replace(KINDS[kind], vocab_size=256)  # a vocabulary wide enough for XLA to tile its sums
     params = jax.tree.map(lambda a: a.astype(dtype), random_params(cfg, 3))
-    prompts = [tuple(range(3, 11)), (7, 1, 4, 4, 20, 2, 9, 9)]
-    eng = Engine(params, cfg, max_seqs=2, max_len=12, page_size=4, token_budget=16, chunk_buckets=(8,),
-                 width_buckets=(2,), row_buckets=(2,), decode_steps=1, unroll_layers=unroll)
+    rng = np.random.default_rng(1)
+    prompts = [tuple(int(t) for t in rng.integers(0, 256, 16)) for _ in range(4)]
+    eng = Engine(params, cfg, max_seqs=4, max_len=20, page_size=4, token_budget=64, chunk_buckets=(16,),
+                 width_buckets=(4,), row_buckets=(4,), decode_steps=1, unroll_layers=unroll)
     done = eng.run([Request(p, max_tokens=1, temperature=1.0, seed=i, logprobs=True) for i, p in enumerate(prompts)])
     seqs = jnp.asarray([list(p) + d.replies[0].tokens for p, d in zip(prompts, done)], jnp.int32)
     score = jax.jit(lambda s: ppo.token_logprobs_and_values(params, None, cfg, {"ids": s})[0])
     trainer = np.asarray(score(seqs))[:, -1]
-    np.testing.assert_array_equal(np.asarray([d.replies[0].logp[0] for d in done], trainer.dtype), trainer)
+    engine = np.asarray([d.replies[0].logp[0] for d in done], trainer.dtype)
+    if kind == "dense_gqa":
+        np.testing.assert_array_equal(engine, trainer)
+    else:  # a sliding-window chunk reads the ring, a Mamba chunk runs from the slot's state: other sums, an ulp off
+        np.testing.assert_allclose(engine, trainer, rtol=0, atol=1e-5)

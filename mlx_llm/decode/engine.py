@@ -156,8 +156,12 @@ def _dispatch(params, layers, stores, blank, rows_R, lengths_R, table_RN, tokens
         last_RV = last_valid(logits_RTV, jnp.maximum(n_new_R, 1))
         tok_R, logq_R, mass_R = choose_keyed(reply_keys(seeds_R2, reply_R, t_R + i), tokens_only(last_RV, cfg),
                                              sampling)
-        # log p as the trainer scores it (ops.token_nll over the model's whole vocabulary, padding ids included)
-        logp_R = -token_nll(last_RV, tok_R)
+        # log p as the trainer scores it: ops.token_nll over the model's whole vocabulary (padding ids included) and
+        # over the call's whole (R, T, V) block of logits, as the trainer's (B, T, V): XLA:CPU's reductions over V
+        # can round differently for another shape (one row (R, V) moved bfloat16 log p by an ulp)
+        last_R1 = jnp.maximum(n_new_R, 1)[:, None] - 1
+        targets_RT = jnp.where(jnp.arange(logits_RTV.shape[1])[None, :] == last_R1, tok_R[:, None], 0)
+        logp_R = -jnp.take_along_axis(token_nll(logits_RTV, targets_RT), last_R1, axis=1)[:, 0]
         left_R = left_R - active_R.astype(jnp.int32)
         stopped_R = jnp.any(tok_R[:, None] == stop_RS, axis=-1) | (left_R <= 0)
         out = (tok_R, logq_R, logp_R, mass_R, active_R)
