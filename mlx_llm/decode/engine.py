@@ -185,6 +185,7 @@ def _fork(stores, src_R, dst_R, src_P, dst_P):
 
 _dispatch_jit = jax.jit(_dispatch, static_argnames=("cfg", "kernels", "page_size", "steps"), donate_argnames="stores")
 _fork_jit = jax.jit(_fork, donate_argnames="stores")
+_unstack_jit = jax.jit(unstack_layers, static_argnums=1)  # one program for every slice, not one dispatch each
 
 
 def compiles() -> int:
@@ -273,7 +274,7 @@ class Engine:
                                caching=bool(self.paged and not per_row and prefix_caching is not False))
         self.blank = {k: {r: cache_lib.allocate(MIXERS[k].state_spec(cfg, k), len(_layers_of(cfg, k)), r,
                                                 self.max_len, dtype) for r in self.row_buckets} for k in per_row}
-        self.layers = unstack_layers(params, cfg) if unroll_layers else None
+        self.layers = _unstack_jit(params, cfg) if unroll_layers else None
         self.scratch = self.max_seqs
         self.free_rows = list(range(self.max_seqs))
         self.waiting: collections.deque[list[_Seq]] = collections.deque()
