@@ -90,6 +90,7 @@ def _check_stream(kind, data):
             assert reply.finish_reason == ("stop" if reply.tokens[-1] == eos else "length")
     assert eng.table.available == eng.table.pages.count - 1  # every page given back
     assert sorted(eng.free_rows) == list(range(eng.max_seqs))
+    assert not eng.completions  # and no finished request is kept
 
 
 @pytest.mark.slow

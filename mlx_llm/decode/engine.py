@@ -279,7 +279,7 @@ class Engine:
         self.free_rows = list(range(self.max_seqs))
         self.waiting: collections.deque[list[_Seq]] = collections.deque()
         self.running: list[_Seq] = []
-        self.completions: dict[int, Completion] = {}
+        self.completions: dict[int, Completion] = {}  # the requests not yet done (a long-lived engine keeps no others)
         self._ids, self._order = itertools.count(), itertools.count()
         self.preemptions = 0
         self.tokens_computed = 0  # positions fed through the model (prompt chunks, recomputes and decode steps)
@@ -591,6 +591,8 @@ class Engine:
         self.free_rows.append(seq.row)
         seq.pages, seq.row = [], None
         self.running.remove(seq)
+        if seq.completion.done:
+            self.completions.pop(seq.completion.id, None)
 
     def shapes(self) -> list:
         """Every (rows, tokens per row, steps, page-table width) a call can have: decode calls of one token per row
