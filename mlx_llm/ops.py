@@ -110,12 +110,16 @@ def attention_scores(q_BTHK: jax.Array, k_BSGK: jax.Array, mask_BTS: jax.Array, 
     a fully masked row, padding, gives finite weights instead of NaN). The R query heads of a group are stacked as
     M = R·T rows against that group's S keys, so the product is one batched matrix product over (B, G).
     ``cap`` c: the soft-capped scores c·tanh((Q̃ K̃ᵀ/√d_h)/c) + M (Gemma 2's attention soft-capping)."""
+    return grouped_scores(q_BTHK, k_BSGK.transpose(0, 2, 1, 3), mask_BTS, cap)
+
+
+def grouped_scores(q_BTHK: jax.Array, k_BGSK: jax.Array, mask_BTS: jax.Array, cap: float | None = None) -> jax.Array:
+    """``attention_scores`` of keys already laid out head-major, (B, G, S, K) (a paged cache gathers them so)."""
     b, t, h, k = q_BTHK.shape
-    g = k_BSGK.shape[2]
+    g = k_BGSK.shape[1]
     r = h // g
     acc = _accum_dtype(q_BTHK.dtype)
     q_BGMK = q_BTHK.reshape(b, t, g, r, k).transpose(0, 2, 3, 1, 4).reshape(b, g, r * t, k)
-    k_BGSK = k_BSGK.transpose(0, 2, 1, 3)
     scores_BGMS = jnp.einsum("bgmk,bgsk->bgms", q_BGMK, k_BGSK, preferred_element_type=acc)
     scores_BGRTS = softcap(scores_BGMS.reshape(b, g, r, t, -1) / jnp.sqrt(jnp.asarray(k, acc)), cap)
     return jnp.where(mask_BTS[:, None, None], scores_BGRTS, jnp.finfo(acc).min)
@@ -136,12 +140,19 @@ def attention(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, mask_BTS:
     tensors are transposed instead). ``mask_BTS`` is boolean; a fully masked row (padding) gives finite, ignorable
     output instead of NaN. ``cap``: soft-capped scores (``attention_scores``).
     """
+    return grouped_attention(q_BTHK, k_BSGK.transpose(0, 2, 1, 3), v_BSGK.transpose(0, 2, 1, 3), mask_BTS, cap)
+
+
+def grouped_attention(q_BTHK: jax.Array, k_BGSK: jax.Array, v_BGSK: jax.Array, mask_BTS: jax.Array,
+                      cap: float | None = None) -> jax.Array:
+    """``attention`` of keys and values already laid out head-major, (B, G, S, K): the same operations, minus the
+    two transposes (a paged cache gathers its pages straight into this layout)."""
     b, t, h, k = q_BTHK.shape
-    g = k_BSGK.shape[2]
+    g = k_BGSK.shape[1]
     r = h // g
     acc = _accum_dtype(q_BTHK.dtype)
-    probs_BGMS = attention_weights(q_BTHK, k_BSGK, mask_BTS, cap).astype(v_BSGK.dtype).reshape(b, g, r * t, -1)
-    v_BGSK = v_BSGK.transpose(0, 2, 1, 3)
+    probs_BGMS = softmax(grouped_scores(q_BTHK, k_BGSK, mask_BTS, cap), axis=-1).astype(v_BGSK.dtype)
+    probs_BGMS = probs_BGMS.reshape(b, g, r * t, -1)
     o_BGMK = jnp.einsum("bgms,bgsk->bgmk", probs_BGMS, v_BGSK, preferred_element_type=acc)
     return o_BGMK.reshape(b, g, r, t, k).transpose(0, 3, 1, 2, 4).reshape(b, t, h, k).astype(q_BTHK.dtype)
 
