@@ -292,18 +292,19 @@ def test_replies_forked_off_a_partial_page_equal_a_lone_reply():
 
 
 def test_the_docs_tables_are_rendered_from_the_results_file():
-    """docs/engine.md holds the ``render`` of bench_engine.json, logprob_contract.json and bench_rollout.json
-    (experiments/results/) verbatim (a number typed by hand, or a results file rewritten without the page, fails)."""
+    """docs/engine.md holds the ``render`` of the bench_engine, logprob_contract, bench_paged and bench_rollout
+    results (experiments/results/) verbatim (a number typed by hand, or a results file rewritten without the page, fails)."""
     from pathlib import Path
 
     from experiments import bench_engine, common
 
-    from experiments import bench_rollout, logprob_contract
+    from experiments import bench_paged, bench_rollout, logprob_contract
 
     page = (Path(__file__).resolve().parents[1] / "docs" / "engine.md").read_text()
     assert bench_engine.render(common.load_result("bench_engine")) in page
     assert logprob_contract.render(common.load_result("logprob_contract")) in page
     assert bench_rollout.render(common.load_result("bench_rollout")) in page
+    assert bench_paged.render(common.load_result("bench_paged")) in page
 
 
 @pytest.mark.slow
