@@ -291,6 +291,66 @@ def test_replies_forked_off_a_partial_page_equal_a_lone_reply():
     assert eng.prefix_hit_rate > 0  # the second request found the first's full page
 
 
+@pytest.mark.slow
+def test_abort_ends_a_request_at_once_and_frees_its_rows_and_pages():
+    """A running request (n = 2, forked), a waiting one and a finished one: abort frees what each holds, the
+    others run on and give their greedy tokens."""
+    eng = Engine(random_params(DENSE, 0), DENSE, max_seqs=3, max_len=16, page_size=4, token_budget=16,
+                 chunk_buckets=(8,), decode_steps=2, unroll_layers=False)
+    lone = eng.run([Request((5, 6, 7), max_tokens=8)])[0].replies[0]
+    running = eng.submit(Request((1, 2, 3, 4, 5), max_tokens=8, n=2))
+    other = eng.submit(Request((5, 6, 7), max_tokens=8))
+    waiting = eng.submit(Request((9, 9), max_tokens=8, n=2))  # no rows left for it
+    eng.step()
+    eng.step()
+    assert len(waiting.replies[0].tokens) == 0 and len(running.replies[0].tokens) > 0
+    eng.abort(running)
+    eng.abort(waiting)
+    assert [r.finish_reason for r in running.replies + waiting.replies] == ["abort"] * 4
+    done = len(running.replies[0].tokens)
+    while eng.waiting or eng.running:
+        eng.step()
+    assert len(running.replies[0].tokens) == done  # nothing more after the abort
+    assert other.replies[0].tokens == lone.tokens
+    eng.abort(other)  # a finished request is left as it is
+    assert other.replies[0].finish_reason == "length"
+    assert eng.table.available == eng.table.pages.count - 1 and sorted(eng.free_rows) == [0, 1, 2]
+    assert not eng.completions
+
+
+@pytest.mark.slow
+def test_min_tokens_keeps_the_stop_ids_out_until_then_and_top_logprobs_list_the_models_best():
+    cfg = DENSE
+    params = random_params(cfg, 0)
+    eng = Engine(params, cfg, max_seqs=2, max_len=16, page_size=4, token_budget=16, chunk_buckets=(8,),
+                 decode_steps=2, unroll_layers=False, max_top_logprobs=4, detokenize=_detok)
+    prompt = (3, 1, 4, 1, 5)
+    free = eng.run([Request(prompt, max_tokens=8, top_logprobs=4)])[0].replies[0]
+    first = free.tokens[0]
+    # greedy: each step's best is the token itself, with its log p exactly; then the next most likely, in order
+    for k, top in enumerate(free.top):
+        assert len(top) == 4 and top[0] == (free.tokens[k], free.logp[k])
+        assert [v for _, v in top] == sorted([v for _, v in top], reverse=True)
+    # the first token as a stop id ends the reply at once; with min_tokens = 3 it cannot be drawn before the third
+    # token (the second best comes instead), and the stop strings wait too
+    stopped = eng.run([Request(prompt, max_tokens=8, stop_ids=(first,))])[0].replies[0]
+    assert stopped.tokens == [first] and stopped.finish_reason == "stop"
+    held = eng.run([Request(prompt, max_tokens=8, stop_ids=(first,), min_tokens=3, top_logprobs=2)])[0].replies[0]
+    assert held.tokens[0] == free.top[0][1][0] and first not in held.tokens[:3]
+    # top log-probs are the model's, not the banned q's
+    assert [t for t, _ in held.top[0]] == [t for t, _ in free.top[0][:2]]
+    np.testing.assert_allclose([v for _, v in held.top[0]], [v for _, v in free.top[0][:2]], rtol=1e-12)
+    assert held.logq[0] == 0 and held.log_mass[0] == pytest.approx(held.logp[0], abs=1e-5)  # greedy: mass = p(token)
+    stop = _detok([first])  # the reply's first character: found only in the text after min_tokens
+    text = eng.run([Request(prompt, max_tokens=8, stop=(stop,), min_tokens=2)])[0].replies[0]
+    at = free.text.find(stop, 1)
+    assert text.text == (free.text if at < 0 else free.text[:at])
+    with pytest.raises(InputError, match="top_logprobs = 5 is invalid: this engine returns at most max_top_logprobs"):
+        eng.submit(Request(prompt, max_tokens=8, top_logprobs=5))
+    with pytest.raises(InputError, match="min_tokens = 9 is invalid: it must be at most max_tokens = 8"):
+        eng.submit(Request(prompt, max_tokens=8, min_tokens=9))
+
+
 def test_the_docs_tables_are_rendered_from_the_results_file():
     """docs/engine.md holds the ``render`` of the bench_engine, logprob_contract, bench_paged and bench_rollout
     results (experiments/results/) verbatim (a number typed by hand, or a results file rewritten without the page, fails)."""

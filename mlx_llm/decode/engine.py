@@ -61,7 +61,10 @@ class Request:
     temperature 0 is greedy; top_k 0 and top_p 1 cut nothing. ``stop_ids``: a reply ends after emitting one of
     them (kept as its last token); ``stop``: strings that end a reply (the engine needs a ``detokenize``); the
     reply's text stops before the string. ``n`` replies share the prompt; ``seed`` fixes every draw of every
-    reply. ``logprobs``: return each token's log p, log q and log kept mass."""
+    reply. ``logprobs``: return each token's log p, log q and log kept mass; ``top_logprobs``: also the k most
+    likely tokens of each step under the model (id, log p), at most the engine's ``max_top_logprobs``.
+    ``min_tokens``: the stop ids cannot be drawn (they are masked out of q), and stop strings are not matched,
+    before the reply has that many tokens."""
 
     prompt: tuple
     max_tokens: int = 16
@@ -73,18 +76,22 @@ class Request:
     seed: int = 0
     n: int = 1
     logprobs: bool = False
+    top_logprobs: int = 0
+    min_tokens: int = 0
 
 
 @dataclasses.dataclass
 class Reply:
-    """One reply so far. ``finish_reason``: None while running, "stop" (a stop id or string) or "length".
-    ``times``: the host clock when each token was known (time to first token, inter-token latency)."""
+    """One reply so far. ``finish_reason``: None while running, "stop" (a stop id or string), "length" or "abort"
+    (``Engine.abort``). ``times``: the host clock when each token was known (time to first token, inter-token
+    latency). ``top``: per token, the request's ``top_logprobs`` most likely (id, log p) of its step."""
 
     tokens: list = dataclasses.field(default_factory=list)
     logp: list = dataclasses.field(default_factory=list)
     logq: list = dataclasses.field(default_factory=list)
     log_mass: list = dataclasses.field(default_factory=list)
     times: list = dataclasses.field(default_factory=list)
+    top: list = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     text: str | None = None
 
@@ -113,6 +120,7 @@ class _Seq:
         self.computed, self.row, self.pages, self.keys = 0, None, [], []
         self.children: list[_Seq] = []  # the other replies, until they fork off this one
         self.text_seen = 0
+        self.text_floor = 0  # stop strings are looked for from here on (the text once min_tokens is reached)
 
     @property
     def out(self) -> Reply:
@@ -137,11 +145,12 @@ def _fit(buckets, n: int) -> int:
 
 
 def _dispatch(params, layers, stores, blank, rows_R, lengths_R, table_RN, tokens_RT, n_new_R, emit_R, sampling,
-              seeds_R2, reply_R, t_R, stop_RS, left_R, *, cfg, kernels, page_size, steps):
+              seeds_R2, reply_R, t_R, stop_RS, left_R, min_R, *, cfg, kernels, page_size, steps, top):
     """``steps`` calls on R rows of the state: the first feeds ``tokens_RT`` (row r's first ``n_new_R[r]`` real),
-    the others each row's previous token; a row samples where ``emit_R`` (its chunk ends its needed tokens) and
-    stops at a stop id or its last allowed token. Returns ((tokens, log q, log p, log mass, emitted) each
-    (R, steps), the stores)."""
+    the others each row's previous token; a row samples where ``emit_R`` (its chunk ends its needed tokens), never
+    a stop id before its reply has ``min_R`` tokens, and stops at a stop id or its last allowed token. Returns
+    ((tokens, log q, log p, log mass, emitted) each (R, steps), and with ``top`` > 0 the ``top`` most likely ids
+    and their log p, each (R, steps, top); the stores)."""
     sub = {k: s.take_rows(rows_R) for k, s in stores.items()}
     fresh_R = lengths_R == 0  # a row starting a sequence: its per-row state is the initial one
     for kind, b in blank.items():
@@ -153,9 +162,10 @@ def _dispatch(params, layers, stores, blank, rows_R, lengths_R, table_RN, tokens
         state, tokens_RT, n_new_R, active_R, left_R = carry
         logits_RTV, state = forward_cached(params, tokens_RT, state, cfg, n_new_B=n_new_R, layers=layers,
                                            kernels=kernels)
-        last_RV = last_valid(logits_RTV, jnp.maximum(n_new_R, 1))
-        tok_R, logq_R, mass_R = choose_keyed(reply_keys(seeds_R2, reply_R, t_R + i), tokens_only(last_RV, cfg),
-                                             sampling)
+        last_RV = tokens_only(last_valid(logits_RTV, jnp.maximum(n_new_R, 1)), cfg)
+        early_R = t_R + i < min_R  # min_tokens: no stop id yet
+        ban_RV = early_R[:, None] & jnp.any(jnp.arange(last_RV.shape[-1])[None, :, None] == stop_RS[:, None, :], -1)
+        tok_R, logq_R, mass_R = choose_keyed(reply_keys(seeds_R2, reply_R, t_R + i), last_RV, sampling, ban_RV)
         # log p as the trainer scores it: ops.token_nll over the model's whole vocabulary (padding ids included) and
         # over the call's whole (R, T, V) block of logits, as the trainer's (B, T, V): XLA:CPU's reductions over V
         # can round differently for another shape (one row (R, V) moved bfloat16 log p by an ulp)
@@ -165,6 +175,11 @@ def _dispatch(params, layers, stores, blank, rows_R, lengths_R, table_RN, tokens
         left_R = left_R - active_R.astype(jnp.int32)
         stopped_R = jnp.any(tok_R[:, None] == stop_RS, axis=-1) | (left_R <= 0)
         out = (tok_R, logq_R, logp_R, mass_R, active_R)
+        if top:  # the model's most likely tokens (log p at temperature 1, over the whole vocabulary)
+            raw_RV = last_valid(logits_RTV, jnp.maximum(n_new_R, 1))
+            lp_RV = jax.nn.log_softmax(raw_RV.astype(jnp.promote_types(raw_RV.dtype, jnp.float32)), axis=-1)
+            top_val_RK, top_id_RK = jax.lax.top_k(jnp.where(jnp.isneginf(last_RV), -jnp.inf, lp_RV), top)
+            out += (top_id_RK.astype(jnp.int32), top_val_RK)
         active_R = active_R & ~stopped_R
         return (state, tok_R[:, None], active_R.astype(jnp.int32), active_R, left_R), out
 
@@ -172,7 +187,7 @@ def _dispatch(params, layers, stores, blank, rows_R, lengths_R, table_RN, tokens
     carry, out = one(carry, 0)
     if steps > 1:
         carry, rest = jax.lax.scan(one, carry, jnp.arange(1, steps))
-        out = tuple(jnp.concatenate([a[:, None], b.T], axis=1) for a, b in zip(out, rest))
+        out = tuple(jnp.concatenate([a[:, None], jnp.moveaxis(b, 0, 1)], axis=1) for a, b in zip(out, rest))
     else:
         out = tuple(a[:, None] for a in out)
     stores = {k: s.put_rows(rows_R, carry[0].stores[k]) for k, s in stores.items()}
@@ -183,7 +198,8 @@ def _fork(stores, src_R, dst_R, src_P, dst_P):
     return {k: s.fork(src_R, dst_R, src_P, dst_P) for k, s in stores.items()}
 
 
-_dispatch_jit = jax.jit(_dispatch, static_argnames=("cfg", "kernels", "page_size", "steps"), donate_argnames="stores")
+_dispatch_jit = jax.jit(_dispatch, static_argnames=("cfg", "kernels", "page_size", "steps", "top"),
+                        donate_argnames="stores")
 _fork_jit = jax.jit(_fork, donate_argnames="stores")
 _unstack_jit = jax.jit(unstack_layers, static_argnums=1)  # one program for every slice, not one dispatch each
 
@@ -214,13 +230,15 @@ class Engine:
     width_buckets: the page-table widths (in pages) a call may have: a call's rows read the narrowest that holds
     their pages, so attention over pages costs what the longest row of the call holds, not ``max_len``
     (default: 64 positions × 4^k, and ⌈max_len / page_size⌉ always). row_buckets: the row counts a call may have
-    (default the powers of two below max_seqs; max_seqs always): fewer buckets, fewer programs, more padded rows."""
+    (default the powers of two below max_seqs; max_seqs always): fewer buckets, fewer programs, more padded rows.
+    max_top_logprobs: the most ``top_logprobs`` a request may ask for (every call then returns that many, for
+    every row; 0: none, the cheapest program)."""
 
     def __init__(self, params: Params, cfg: ModelConfig, *, max_seqs: int = 8, max_len: int | None = None,
                  page_size: int = 16, pages: int | None = None, token_budget: int = 256, chunk_buckets=None,
                  decode_steps: int = 8, prefix_caching: bool | None = None, max_stop_ids: int = 8,
                  detokenize: Callable[[list], str] | None = None, unroll_layers: bool = True, width_buckets=None,
-                 row_buckets=None, kernels=None):
+                 row_buckets=None, kernels=None, max_top_logprobs: int = 0):
         require_causal(cfg)
         self.params, self.cfg, self.kernels = params, cfg, resolved(kernels)
         self.max_seqs = _positive("max_seqs", max_seqs)
@@ -233,6 +251,7 @@ class Engine:
         self.token_budget = _positive("token_budget", token_budget, self.max_seqs)
         self.decode_steps = _positive("decode_steps", decode_steps)
         self.max_stop_ids = _positive("max_stop_ids", max_stop_ids)
+        self.max_top_logprobs = _positive("max_top_logprobs", max_top_logprobs, 0)
         if chunk_buckets is None:
             chunk_buckets = _buckets(min(self.token_budget, 512), 16)
         if not chunk_buckets or any(isinstance(c, bool) or not isinstance(c, numbers.Integral) or c < 2
@@ -320,6 +339,13 @@ class Engine:
         if isinstance(request.seed, bool) or not isinstance(request.seed, numbers.Integral) or \
                 not 0 <= request.seed <= SEED_MAX:
             raise InputError(f"seed = {request.seed!r} is invalid: it must be an integer in [0, {SEED_MAX}]")
+        top = _positive("top_logprobs", request.top_logprobs, 0)
+        if top > self.max_top_logprobs:
+            raise InputError(f"top_logprobs = {top} is invalid: this engine returns at most max_top_logprobs = "
+                             f"{self.max_top_logprobs}")
+        min_tokens = _positive("min_tokens", request.min_tokens, 0)
+        if min_tokens > max_tokens:
+            raise InputError(f"min_tokens = {min_tokens} is invalid: it must be at most max_tokens = {max_tokens}")
         n = _positive("n", request.n)
         if n > self.max_seqs:
             raise InputError(f"n = {n} is invalid: this engine decodes at most max_seqs = {self.max_seqs} replies")
@@ -329,7 +355,8 @@ class Engine:
                              f" positions) but the pool has {self.table.pages.count - 1}")
         return dataclasses.replace(request, prompt=prompt, stop_ids=stop_ids, stop=stop, temperature=float(t),
                                    top_k=int(request.top_k), top_p=float(p), max_tokens=max_tokens, n=n,
-                                   seed=int(request.seed))
+                                   seed=int(request.seed), top_logprobs=top, min_tokens=min_tokens,
+                                   logprobs=bool(request.logprobs or top))
 
     def pages_needed(self, prompt: int, max_tokens: int, n: int = 1) -> int:
         """The most pages a request can hold at once: its replies share the prompt's full pages but the last
@@ -354,6 +381,22 @@ class Engine:
         while self.waiting or self.running:
             self.step()
         return out
+
+    def abort(self, completion: Completion) -> None:
+        """Stop a request now: its replies end with finish_reason "abort" (the tokens so far kept), its rows and
+        pages are free at once. A request already done is left as it is."""
+        for group in [g for g in self.waiting if g[0].completion is completion]:
+            self.waiting.remove(group)
+        for seq in [s for s in self.running if s.completion is completion]:
+            for kid in seq.children:  # replies not yet forked off the prompt hold a row only
+                self.free_rows.append(kid.row)
+                kid.row = None
+            seq.children = []
+            self._finish(seq)
+        for reply in completion.replies:
+            if reply.finish_reason is None:
+                reply.finish_reason = "abort"
+        self.completions.pop(completion.id, None)
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -518,7 +561,8 @@ class Engine:
         tokens = np.zeros((r, t), np.int32)
         temp, top_k, top_p = np.zeros((r,)), np.zeros((r,), np.int32), np.ones((r,))
         seeds, reply, pos = np.zeros((r, 2), np.uint32), np.zeros((r,), np.int32), np.zeros((r,), np.int32)
-        stop, left = np.full((r, self.max_stop_ids), -1, np.int32), np.zeros((r,), np.int32)
+        stop, left, least = np.full((r, self.max_stop_ids), -1, np.int32), np.zeros((r,), np.int32), \
+            np.zeros((r,), np.int32)
         for i, (seq, n) in enumerate(group):
             q = seq.request
             rows[i], lengths[i], n_new[i] = seq.row, seq.computed, n
@@ -529,18 +573,20 @@ class Engine:
             seeds[i] = (q.seed >> 32, q.seed & 0xFFFFFFFF)  # ops.seed_key_data's words
             reply[i], pos[i] = seq.reply, len(seq.out.tokens)
             stop[i, :len(q.stop_ids)] = q.stop_ids
-            left[i] = q.max_tokens - len(seq.out.tokens)
+            left[i], least[i] = q.max_tokens - len(seq.out.tokens), q.min_tokens
         blank = {k: b[r] for k, b in self.blank.items()}
         sampling = SamplingRows(temperature=jnp.asarray(temp, float), top_k=jnp.asarray(top_k),
                                 top_p=jnp.asarray(top_p, float))
         out, self.stores = _dispatch_jit(self.params, self.layers, self.stores, blank, rows, lengths, table, tokens,
-                                         n_new, emit, sampling, seeds, reply, pos, stop, left, cfg=self.cfg,
-                                         kernels=self.kernels, page_size=self.page_size, steps=steps)
+                                         n_new, emit, sampling, seeds, reply, pos, stop, left, least, cfg=self.cfg,
+                                         kernels=self.kernels, page_size=self.page_size, steps=steps,
+                                         top=self.max_top_logprobs)
         return out
 
     def _book(self, group, out) -> list:
         """Append what each row of ``group`` emitted; finish replies that stopped; fork finished prompts."""
-        tokens, logq, logp, mass, emitted = out
+        tokens, logq, logp, mass, emitted = out[:5]
+        top_ids, top_lp = out[5:] if len(out) > 5 else (None, None)
         now, events = time.perf_counter(), []
         for i, (seq, n) in enumerate(group):
             seq.computed += n
@@ -553,7 +599,8 @@ class Engine:
                     seq.computed += 1
                     self.tokens_computed += 1
                 new.append(int(tokens[i, j]))
-                self._emit(seq, int(tokens[i, j]), logp[i, j], logq[i, j], mass[i, j], now)
+                top = None if top_ids is None else (top_ids[i, j], top_lp[i, j])
+                self._emit(seq, int(tokens[i, j]), logp[i, j], logq[i, j], mass[i, j], now, top)
                 if seq.out.finish_reason is not None:
                     break
             self._register(seq)
@@ -565,7 +612,7 @@ class Engine:
                 self._finish(seq)
         return events
 
-    def _emit(self, seq: _Seq, token: int, logp, logq, mass, now: float) -> None:
+    def _emit(self, seq: _Seq, token: int, logp, logq, mass, now: float, top=None) -> None:
         q, out = seq.request, seq.out
         seq.tokens.append(token)
         out.tokens.append(token)
@@ -574,6 +621,10 @@ class Engine:
             out.logp.append(float(logp))
             out.logq.append(float(logq))
             out.log_mass.append(float(mass))
+        if q.top_logprobs:
+            # the token's own entry carries its log p exactly (the trainer's score, as ``logp``)
+            out.top.append([(int(t), float(logp) if int(t) == token else float(v))
+                            for t, v in zip(top[0][:q.top_logprobs], top[1][:q.top_logprobs])])
         if token in q.stop_ids:
             out.finish_reason = "stop"
         elif len(out.tokens) >= q.max_tokens:
@@ -581,10 +632,13 @@ class Engine:
         if self.detokenize is not None:
             out.text = self.detokenize(out.tokens)
             longest = max((len(s) for s in q.stop), default=0)
-            window = out.text[max(seq.text_seen - longest, 0):]
+            if len(out.tokens) < q.min_tokens:  # min_tokens: stop strings count in the text after that many tokens
+                seq.text_floor = len(out.text)
+            start = max(seq.text_seen - longest, seq.text_floor)
+            window = out.text[start:]
             cuts = [window.find(s) for s in q.stop if s in window]
             if cuts:
-                out.text = out.text[:max(seq.text_seen - longest, 0) + min(cuts)]
+                out.text = out.text[:start + min(cuts)]
                 out.finish_reason = "stop"
             seq.text_seen = len(out.text)
 
@@ -625,8 +679,8 @@ class Engine:
                 self.params, self.layers, self.stores, {k: b[r] for k, b in self.blank.items()},
                 np.full((r,), self.scratch, np.int32), z, np.zeros((r, w), np.int32),
                 np.zeros((r, t), np.int32), z, np.zeros((r,), bool), sampling, np.zeros((r, 2), np.uint32), z, z,
-                np.full((r, self.max_stop_ids), -1, np.int32), z, cfg=self.cfg, kernels=self.kernels,
-                page_size=self.page_size, steps=steps)
+                np.full((r, self.max_stop_ids), -1, np.int32), z, z, cfg=self.cfg, kernels=self.kernels,
+                page_size=self.page_size, steps=steps, top=self.max_top_logprobs)
         for r in self.row_buckets:
             s, z = np.full((r,), self.scratch, np.int32), np.zeros((r,), np.int32)
             self.stores = _fork_jit(self.stores, s, s, z, z)

@@ -258,14 +258,16 @@ def prompt_seed(seed: int, i: int) -> int:
     return (int(state[0]) << 31) ^ int(state[1])
 
 
-def choose_keyed(keys_R, logits_BV: jax.Array, rows: SamplingRows):
+def choose_keyed(keys_R, logits_BV: jax.Array, rows: SamplingRows, ban_BV: jax.Array | None = None):
     """``choose_rows`` with one key per row (``reply_keys``): row b's draw reads its own key only, so its token does
     not depend on the other rows of the batch. Returns (tokens, log q, log of the kept mass): the mass of
     p_τ (the model at the row's temperature; 1 for a greedy row) that the row's top-k and top-p keep, so
-    log q = log p_τ − log mass on every kept token."""
-    logq_BV = rows_logprobs(logits_BV, rows)
+    log q = log p_τ − log mass on every kept token. ``ban_BV`` (True: never drawn) takes tokens out of q before
+    top-k and top-p (the engine's ``min_tokens``); the kept mass is then of the unbanned p_τ."""
+    free_BV = logits_BV if ban_BV is None else jnp.where(ban_BV, -jnp.inf, logits_BV)
+    logq_BV = rows_logprobs(free_BV, rows)
     greedy_B = _per_row(rows.temperature, logits_BV)[..., 0] == 0
-    argmax_B = greedy(logits_BV)
+    argmax_B = greedy(free_BV)
     one = lambda key, logq_V: jax.random.categorical(key, logq_V).astype(jnp.int32)
     drawn_B = jax.lax.cond(jnp.all(greedy_B), lambda: argmax_B, lambda: jax.vmap(one)(keys_R, logq_BV))
     tok_B = jnp.where(greedy_B, argmax_B, drawn_B)
