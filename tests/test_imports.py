@@ -27,6 +27,7 @@ FLOORS = [
     ("runs",),
     ("eval",),
     ("post", "interop"),
+    ("serve",),
     ("cli", "__main__"),
 ]
 FLOOR = {room: i for i, rooms in enumerate(FLOORS) for room in rooms}

@@ -323,6 +323,28 @@ def cmd_generate(args, given: dict, parser) -> int:
     return 0
 
 
+def cmd_serve(args, given: dict, parser) -> int:
+    """The OpenAI-compatible server (serve/app.py) until SIGTERM or Ctrl-C."""
+    try:
+        from mlx_llm.serve.app import open_model, serve
+    except ImportError as err:
+        raise MLXLLMError(f"serve needs the serve extra (pip install -e '.[serve]'): {err}") from None
+    for flag, value, low in (("--max-seqs", args.max_seqs, 1), ("--page-size", args.page_size, 1),
+                             ("--token-budget", args.token_budget, 1), ("--max-queue", args.max_queue, 1),
+                             ("--max-top-logprobs", args.max_top_logprobs, 0), ("--port", args.port, 0)):
+        if value < low or (flag == "--port" and value > 65535):
+            raise MLXLLMError(f"{flag} = {value} is invalid: it must be an integer ≥ {low}"
+                              + (" and ≤ 65535" if flag == "--port" else ""))
+    if not args.grace >= 0:
+        raise MLXLLMError(f"--grace = {args.grace} is invalid: it must be a number of seconds ≥ 0")
+    key = args.api_key if args.api_key is not None else os.environ.get("MLX_LLM_API_KEY") or None
+    model = open_model(args.run, step=args.step, name=args.served_name, max_seqs=args.max_seqs,
+                       max_len=args.max_len, page_size=args.page_size, pages=args.pages,
+                       token_budget=args.token_budget, max_top_logprobs=args.max_top_logprobs,
+                       warm_up=not args.no_warm_up, kernels=kernels_of(given))
+    return serve(model, host=args.host, port=args.port, api_key=key, max_queue=args.max_queue, grace=args.grace)
+
+
 # ----- fine-tuning and preference runs ------------------------------------------------------------------------
 @training_command
 def cmd_post(args, given: dict, parser) -> int:
@@ -441,5 +463,5 @@ def cmd_import(args, given: dict, parser) -> int:
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "compile": cmd_compile, "generate": cmd_generate,
             "sft": cmd_post, "reward": cmd_post, "dpo": cmd_post, "rl": cmd_post, "eval-task": cmd_eval_task,
             "chat": cmd_chat, "compare": cmd_compare, "export-merged": cmd_export_merged, "export": cmd_export,
-            "import": cmd_import}
+            "import": cmd_import, "serve": cmd_serve}
 TRAINING = frozenset({"train", "sft", "reward", "dpo", "rl"})  # Ctrl-C keeps their last checkpoint

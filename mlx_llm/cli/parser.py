@@ -202,6 +202,35 @@ def add_files(sub) -> None:
     add_config_flags(ge, TrainConfig, "train", shown=TrainConfig(), only=KERNEL_FIELDS)
 
 
+def add_serve(sub) -> None:
+    """serve: the OpenAI-compatible server."""
+    sv = sub.add_parser("serve", help="serve a run over OpenAI's chat and completions API (the serve extra)")
+    trust_flag(sv)
+    sv.add_argument("--run", type=Path, required=True, help="the run directory")
+    sv.add_argument("--step", type=int, help="checkpoint step (default: latest)")
+    sv.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s: this machine only)")
+    sv.add_argument("--port", type=int, default=8000, help="port (default %(default)s; 0 picks a free one)")
+    sv.add_argument("--served-name", help="the model name clients send (default: the run directory's name)")
+    sv.add_argument("--api-key", help="require Authorization: Bearer KEY on every endpoint but /health (default: "
+                    "$MLX_LLM_API_KEY; none: no key)")
+    sv.add_argument("--max-seqs", type=int, default=16, help="replies decoded at once (default %(default)s)")
+    sv.add_argument("--max-len", type=int, help="positions per reply, prompt and reply (default: the model's "
+                    "max_seq_len)")
+    sv.add_argument("--page-size", type=int, default=16, help="positions per KV-cache page (default %(default)s)")
+    sv.add_argument("--pages", type=int, help="KV-cache pages in the pool (default: every row at --max-len)")
+    sv.add_argument("--token-budget", type=int, default=512, help="tokens computed per engine step (default "
+                    "%(default)s)")
+    sv.add_argument("--max-queue", type=int, default=256, help="requests waiting or running before new ones get "
+                    "429 (default %(default)s)")
+    sv.add_argument("--max-top-logprobs", type=int, default=20, help="the most top_logprobs a request may ask for "
+                    "(default %(default)s; 0 makes every step cheaper and refuses them)")
+    sv.add_argument("--no-warm-up", action="store_true", help="start at once and compile each engine program when a "
+                    "request first needs it (default: compile them all before serving)")
+    sv.add_argument("--grace", type=float, default=30.0, help="seconds SIGTERM lets requests in flight finish "
+                    "before aborting them (default %(default)s)")
+    add_config_flags(sv, TrainConfig, "train", shown=TrainConfig(), only=KERNEL_FIELDS)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = Parser(prog="mlx-llm", description="Train, evaluate and sample a MiniLLM.")
     sub = ap.add_subparsers(dest="command", required=True, parser_class=Parser)
@@ -211,6 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_inspect(sub)
     add_compare(sub)
     add_files(sub)
+    add_serve(sub)
     for parser in sub.choices.values():
         parser.set_defaults(subparser=parser)  # a command names its own flags in its errors (flags.flags_of)
     return ap
