@@ -15,8 +15,11 @@ closed-loop by ``--clients`` clients (a client sends its next request when its l
 
 Printed per server: requests/s, output tokens/s, time to first token and inter-token latency p50/p99 (each
 token's time is when its client, or the in-process loop, saw it: tokens that arrive together are 0 s apart), and
-the server's ratios to the in-process engine. Each server runs the stream once untimed (compiles), then
-``--repeats`` timed passes, taking turns; the best pass is kept. Greedy tokens are compared request by request.
+the server's ratios to the in-process engine. Each server runs one untimed pass (compiles), then ``--repeats``
+timed passes, taking turns; pass k of every server is the same stream (``task_stream`` with seed ``--seed`` + k),
+and each pass has its own, so the server's long-lived engine finds no prefix of an earlier pass in its cache (the
+in-process engine is a fresh one each pass): the rows are totals over the timed passes. Greedy tokens are compared
+request by request.
 
 Usage: python -m experiments.bench_serve [--quick] [--no-hf] [--clients 32 ...]
 Writes experiments/results/bench_serve.json (``--save NAME`` for another name); ``--render`` prints the docs' table
@@ -72,15 +75,20 @@ def parse_args(argv=None):
     return args
 
 
+def streams_of(args) -> list:
+    """The untimed pass's stream and each timed pass's: the same mix, seeds ``--seed`` … ``--seed + repeats``."""
+    return [task_stream(args.requests, args.long_share, args.seed + k) for k in range(args.repeats + 1)]
+
+
 def model_of(args):
-    """The benchmark's random model: (params, cfg, the stream, the engine's settings)."""
+    """The benchmark's random model: (params, cfg, the streams, the engine's settings)."""
     import jax
     import jax.numpy as jnp
 
     from mlx_llm import ModelConfig, init_params
 
-    stream = task_stream(args.requests, args.long_share, args.seed)
-    longest = max(len(p) + m for p, m in stream)
+    stream = streams_of(args)
+    longest = max(len(p) + m for s in stream for p, m in s)
     max_len = -(-(longest + 1) // args.page_size) * args.page_size
     cfg = ModelConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
                       n_kv_heads=args.n_kv_heads, d_head=args.d_model // args.n_heads, d_ff=args.d_ff,
@@ -97,7 +105,7 @@ def serve_only(args) -> None:
     from mlx_llm.decode.engine import Engine
     from mlx_llm.serve.app import Model, serve
 
-    params, cfg, _, settings = model_of(args)
+    params, cfg, _, settings = model_of(args)  # the same model and settings as the clients' process
     engine = Engine(params, cfg, max_top_logprobs=0, **settings)
     engine.warm_up()  # every shape compiled before the URL is printed (as `mlx-llm serve` does by default)
     model = Model(engine, IdTokenizer(cfg.vocab_size), None, name="bench", root="(random weights)")
@@ -177,8 +185,9 @@ def run_engine(params, cfg, stream, settings, clients: int):
     return seconds, [r.tokens for r in out], ttft, itl
 
 
-def hf_runner(params, cfg, stream, settings, clients: int):
-    """transformers' continuous batching, the same closed loop; None without the hf extra."""
+def hf_runner(params, cfg, settings, clients: int):
+    """transformers' continuous batching, the same closed loop (a function of the stream); None without the hf
+    extra."""
     from experiments.hf_twin import try_hf_twin
 
     twin = try_hf_twin(params, cfg)
@@ -188,13 +197,12 @@ def hf_runner(params, cfg, stream, settings, clients: int):
     model.eval()
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
-    gen = GenerationConfig(max_new_tokens=max(m for _, m in stream), do_sample=False, eos_token_id=None,
-                           pad_token_id=2)
+    gen = GenerationConfig(max_new_tokens=settings["max_len"], do_sample=False, eos_token_id=None, pad_token_id=2)
     blocks = settings["max_seqs"] * settings["max_len"] // settings["page_size"]
     cb = ContinuousBatchingConfig(block_size=settings["page_size"], num_blocks=blocks,
                                   max_batch_tokens=settings["token_budget"], max_requests_per_batch=settings["max_seqs"])
 
-    def once():
+    def once(stream):
         with torch.no_grad(), model.continuous_batching_context_manager(
                 generation_config=gen, continuous_batching_config=cb, block=True, timeout=600, warmup=False) as cbm:
             todo, results, sent = collections.deque(range(len(stream))), {}, {}
@@ -260,11 +268,11 @@ def start_server(argv) -> tuple[subprocess.Popen, str]:
 def render(result: dict) -> str:
     rows = result["servers"]
     lines = [f"Model d={result['args']['d_model']}, L={result['args']['n_layers']}, V={result['args']['vocab']} "
-             f"({result['params'] / 1e6:.1f}M parameters), float32; {result['stream']['requests']} requests "
-             f"({sum(result['stream']['reply_tokens']):,d} output tokens), {result['args']['clients']} concurrent "
-             f"clients, closed loop; engine: {result['args']['max_seqs']} rows, pages of {result['args']['page_size']}"
-             f", token budget {result['args']['token_budget']}. Best of {result['args']['repeats']} passes, servers "
-             "taking turns.", "",
+             f"({result['params'] / 1e6:.1f}M parameters), float32; {result['args']['repeats']} timed passes of "
+             f"{result['args']['requests']} requests ({sum(result['stream']['reply_tokens']):,d} output tokens in all),"
+             f" {result['args']['clients']} concurrent clients, closed loop; engine: {result['args']['max_seqs']} rows,"
+             f" pages of {result['args']['page_size']}, token budget {result['args']['token_budget']}. Totals over the"
+             " passes, servers taking turns.", "",
              "| server | requests/s | output tokens/s | vs in-process engine | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 "
              "| greedy tokens as engine |", "|---|---|---|---|---|---|---|---|---|"]
     ms = lambda d, k: f"{d[k] * 1e3:.0f} ms" if k in d else "—"
@@ -286,42 +294,45 @@ def main(argv=None):
         return
     import jax
 
-    params, cfg, stream, settings = model_of(args)
+    params, cfg, streams, settings = model_of(args)
     print(f"device: {jax.devices()[0].device_kind}; model d={cfg.d_model} L={cfg.n_layers} V={cfg.vocab_size}: "
-          f"{cfg.param_count() / 1e6:.1f}M parameters; {len(stream)} requests, "
-          f"{sum(m for _, m in stream):,d} output tokens; {args.clients} clients", flush=True)
+          f"{cfg.param_count() / 1e6:.1f}M parameters; {args.repeats} timed passes of {args.requests} requests, "
+          f"{sum(m for s in streams[1:] for _, m in s):,d} output tokens; {args.clients} clients", flush=True)
     proc, url = start_server(without_save(argv))
     try:
-        servers = {"server": lambda: run_http(url, stream, args.clients),
-                   "engine": lambda: run_engine(params, cfg, stream, settings, args.clients)}
-        hf = None if args.no_hf else hf_runner(params, cfg, stream, settings, args.clients)
+        servers = {"server": lambda s: run_http(url, s, args.clients),
+                   "engine": lambda s: run_engine(params, cfg, s, settings, args.clients)}
+        hf = None if args.no_hf else hf_runner(params, cfg, settings, args.clients)
         if hf is not None:
             servers["hf cb"] = hf
         first = {}
         for name, fn in servers.items():
             start = time.perf_counter()
-            fn()
+            fn(streams[0])
             first[name] = time.perf_counter() - start
             print(f"{name}: first pass (compiles) {first[name]:.1f} s", flush=True)
         results = {name: [] for name in servers}
-        for _ in range(args.repeats):
+        for stream in streams[1:]:
             for name, fn in servers.items():
-                results[name].append(fn())
+                results[name].append(fn(stream))
     finally:
         proc.terminate()
         proc.wait(60)
-    best = {name: min(runs, key=lambda r: r[0]) for name, runs in results.items()}
-    out_tokens = sum(m for _, m in stream)
-    ref, rows = best["engine"][1], {}
-    for name, (seconds, tokens, ttft, itl) in best.items():
-        rows[name] = {"seconds": seconds, "requests_per_second": len(stream) / seconds,
-                      "tokens_per_second": out_tokens / seconds, "vs_engine": best["engine"][0] / seconds,
-                      "ttft": percentiles(ttft), "itl": percentiles(itl),
+    timed = streams[1:]
+    out_tokens, n_requests = sum(m for s in timed for _, m in s), sum(len(s) for s in timed)
+    total = {name: sum(r[0] for r in runs) for name, runs in results.items()}
+    ref, rows = [t for r in results["engine"] for t in r[1]], {}
+    for name, runs in results.items():
+        tokens = [t for r in runs for t in r[1]]
+        rows[name] = {"seconds": total[name], "requests_per_second": n_requests / total[name],
+                      "tokens_per_second": out_tokens / total[name], "vs_engine": total["engine"] / total[name],
+                      "ttft": percentiles([x for r in runs for x in r[2]]),
+                      "itl": percentiles([x for r in runs for x in r[3]]),
                       "same_tokens": sum(a == b for a, b in zip(tokens, ref)),
-                      "all_seconds": [x[0] for x in results[name]], "first_pass_seconds": first[name]}
+                      "all_seconds": [r[0] for r in runs], "first_pass_seconds": first[name]}
     result = {"args": common.arguments(args), "params": cfg.param_count(),
-              "stream": {"requests": len(stream), "prompt_tokens": [len(p) for p, _ in stream],
-                         "reply_tokens": [m for _, m in stream]}, "servers": rows}
+              "stream": {"requests": n_requests, "prompt_tokens": [len(p) for s in timed for p, _ in s],
+                         "reply_tokens": [m for s in timed for _, m in s]}, "servers": rows}
     print(render(result))
     common.save_from_args(args, result)
 

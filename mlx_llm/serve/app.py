@@ -104,8 +104,9 @@ def build_app(model: Model, *, api_key: str | None = None, max_queue: int = 256,
 
     class EngineState:  # read at scrape time (plain reads of the engine thread's counters)
         def collect(self):
-            gauges = {"requests_queued": ("requests waiting for a row (in the engine's queue or its inbox)",
-                                          sum(len(g) for g in engine.waiting) + worker.inbox.qsize()),
+            # lengths only: the engine thread changes these containers while this runs
+            gauges = {"requests_queued": ("requests waiting for rows (in the engine's queue or its inbox)",
+                                          len(engine.waiting) + worker.inbox.qsize()),
                       "requests_running": ("replies holding a row", len(engine.running)),
                       "pages_used": ("KV-cache pages held by replies or the prefix cache",
                                      engine.table.pages.count - 1 - len(engine.table.free)),
