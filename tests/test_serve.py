@@ -504,3 +504,11 @@ def test_any_body_is_parsed_or_refused_in_one_line(kind, body, model):
     for r in parsed.requests:
         assert 1 <= r.n <= 8 and len(r.prompt) + r.max_tokens <= 64 and 0 <= r.temperature <= 2
         assert all(0 <= t < 50 for t in r.prompt) and 0 <= r.min_tokens <= r.max_tokens
+
+
+def test_the_docs_table_is_rendered_from_the_results_file():
+    """docs/serving.md holds ``bench_serve --render`` of experiments/results/bench_serve.json verbatim."""
+    from experiments import bench_serve, common
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text()
+    assert bench_serve.render(common.load_result("bench_serve")) in page

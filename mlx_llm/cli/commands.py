@@ -325,10 +325,14 @@ def cmd_generate(args, given: dict, parser) -> int:
 
 def cmd_serve(args, given: dict, parser) -> int:
     """The OpenAI-compatible server (serve/app.py) until SIGTERM or Ctrl-C."""
-    try:
-        from mlx_llm.serve.app import open_model, serve
-    except ImportError as err:
-        raise MLXLLMError(f"serve needs the serve extra (pip install -e '.[serve]'): {err}") from None
+    import importlib.util
+
+    missing = [m for m in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise MLXLLMError(f"serve needs the serve extra (pip install -e '.[serve]'): {', '.join(missing)} not "
+                          "installed")
+    from mlx_llm.serve.app import open_model, serve
+
     for flag, value, low in (("--max-seqs", args.max_seqs, 1), ("--page-size", args.page_size, 1),
                              ("--token-budget", args.token_budget, 1), ("--max-queue", args.max_queue, 1),
                              ("--max-top-logprobs", args.max_top_logprobs, 0), ("--port", args.port, 0)):
