@@ -26,7 +26,7 @@ def subcommands() -> dict[str, argparse.ArgumentParser]:
 def test_every_flag_of_every_subcommand_has_help_text():
     subs = subcommands()
     assert set(subs) == {"train", "sft", "reward", "dpo", "rl", "eval", "compile", "eval-task", "chat",
-                         "export-merged", "export", "import", "generate", "compare"}
+                         "export-merged", "export", "import", "generate", "compare", "serve"}
     missing = [(name, a.option_strings) for name, p in subs.items() for a in p._actions
                if a.option_strings and a.dest != "help" and not (a.help or "").strip()]
     assert missing == []

@@ -51,13 +51,15 @@ class Live:
 def start(run, *args) -> Live:
     proc = cli("serve", "--run", run, "--port", "0", "--no-warm-up", "--api-key", KEY, *args, popen=True)
     lines: queue.Queue = queue.Queue()
+    errors: list = []  # stderr read all along, so a chatty server never blocks on a full pipe
     threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
+    threading.Thread(target=lambda: [errors.append(x) for x in proc.stderr], daemon=True).start()
     deadline = time.time() + 120
     while time.time() < deadline:
         try:
             line = lines.get(timeout=1)
         except queue.Empty:
-            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            assert proc.poll() is None, "".join(errors)[-3000:]
             continue
         if line.startswith("serving "):
             return Live(proc, line.split(" at ")[1].split()[0], lines)
