@@ -130,7 +130,6 @@ def build_app(model: Model, *, api_key: str | None = None, max_queue: int = 256,
         worker.stop()
 
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.worker, app.state.model = worker, model
 
     def error(err: APIError):
         return JSONResponse(err.body(), status_code=err.status, headers=err.headers)

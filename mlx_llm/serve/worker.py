@@ -83,10 +83,6 @@ class EngineWorker:
         self.inbox.put(("abort", job))
         self._wake.set()
 
-    @property
-    def idle(self) -> bool:
-        return self.pending == 0
-
     def stop(self, timeout: float = 30.0) -> None:
         self._stop = True
         self._wake.set()
@@ -119,8 +115,6 @@ class EngineWorker:
         while not self.inbox.empty():
             kind, job = self.inbox.get()
             if kind == "submit":
-                if job.done:  # aborted before the thread saw it
-                    continue
                 job.completion = self.engine.submit(job.request)
                 self.jobs[job.completion.id] = job
                 self.prompt_tokens += len(job.request.prompt)
