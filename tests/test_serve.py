@@ -398,6 +398,65 @@ def test_lm_eval_runs_a_task_through_the_server_as_in_process(server, arithmetic
     assert served["results"]["gen_serve"]["exact_match,none"] == own["results"]["gen_serve"]["exact_match,none"]
 
 
+def same_reply(got, want, path="reply"):
+    """Two response bodies alike but for their id and time, floats within 2e-5."""
+    if isinstance(want, dict):
+        keys = want.keys() - ({"id", "created"} if path == "reply" else set())
+        assert got.keys() - {"id", "created"} == keys if path == "reply" else got.keys() == keys, path
+        for k in keys:
+            same_reply(got[k], want[k], f"{path}.{k}")
+    elif isinstance(want, list):
+        assert isinstance(got, list) and len(got) == len(want), path
+        for i, (g, w) in enumerate(zip(got, want)):
+            same_reply(g, w, f"{path}[{i}]")
+    elif isinstance(want, float):
+        assert got == pytest.approx(want, abs=2e-5), path
+    else:
+        assert got == want, path
+
+
+@slow
+def test_two_replicas_behind_ray_serve_share_the_requests_and_answer_as_one_engine(server, arithmetic_sft):
+    """--replicas 2: Ray Serve's proxy spreads 16 concurrent requests over both engines (each response names its
+    replica); every reply — greedy chat and completions, seeded n = 2 draws, log-probs, token ids — is the
+    single server's for the same body; errors are still OpenAI's JSON; SIGTERM drains and exits 0."""
+    live = start(arithmetic_sft, "--max-seqs", "8", "--replicas", "2", "--grace", "30")
+    try:
+        name = local_name(server)
+        bodies = [("/v1/chat/completions", {"model": name, "temperature": 0, "max_tokens": 8, "logprobs": True,
+                                            "messages": [{"role": "user", "content": f"What is {i} + {i + 3}?"}]})
+                  for i in range(6)]
+        bodies += [("/v1/completions", {"model": name, "prompt": f"{i} + 9 =", "temperature": 0, "max_tokens": 6,
+                                        "return_token_ids": True}) for i in range(6)]
+        bodies += [("/v1/completions", {"model": name, "prompt": "1", "n": 2, "seed": 5 + i, "temperature": 1.5,
+                                        "max_tokens": 6, "logprobs": 1}) for i in range(4)]
+
+        async def ask(root):
+            async with httpx.AsyncClient(timeout=300, headers={"Authorization": f"Bearer {KEY}"}) as h:
+                return await asyncio.gather(*[h.post(root + path, json=body) for path, body in bodies])
+
+        replicated = asyncio.run(ask(live.root))
+        single = [server.post(path, body) for path, body in bodies]
+        assert [r.status_code for r in replicated] == [200] * len(bodies)
+        assert len({r.headers["x-mlx-llm-replica"] for r in replicated}) == 2
+        assert "x-mlx-llm-replica" not in single[0].headers
+        for got, want in zip(replicated, single):  # the same tokens; log-probs to the engine's tolerance (a
+            same_reply(got.json(), want.json())      # batch of other rows changes a matmul's rounding)
+        bad = live.post("/v1/completions", {"model": name, "prompt": "1", "temperature": -1})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "temperature"
+        assert live.post("/v1/completions", {"model": name, "prompt": "1"}, key="wrong").status_code == 401
+        live.proc.send_signal(signal.SIGTERM)
+        assert live.proc.wait(60) == 0
+    finally:
+        if live.proc.poll() is None:  # a failed assertion: Ray's processes go with a SIGTERM; SIGKILL after
+            live.proc.send_signal(signal.SIGTERM)
+            try:
+                live.proc.wait(60)
+            except Exception:
+                live.proc.kill()
+        live.proc.wait(30)
+
+
 @slow
 def test_sigterm_finishes_requests_in_flight_then_exits_0(server):
     """The file's last test of the live server (it stops it). SIGTERM while 3 streams and 4 requests of n = 8 are queued or decoding: every one finishes whole (its
@@ -466,6 +525,10 @@ def test_a_run_without_a_chat_template_serves_completions_only(arithmetic_sft, t
     (("--port", "70000"), "--port = 70000 is invalid"),
     (("--max-seqs", "0"), "--max-seqs = 0 is invalid"),
     (("--grace", "-1"), "--grace = -1.0 is invalid"),
+    (("--ray-address", "auto"), "--ray-address only applies with --replicas N"),
+    (("--replicas", "0"), "--replicas = 0 is invalid"),
+    (("--replicas", "2", "--replica-cpus", "0"), "--replica-cpus = 0 is invalid"),
+    (("--replicas", "2", "--replica-cpus", "1000"), "needs 2000 CPUs; this machine has"),
 ])
 def test_bad_flags_are_one_line_errors(arithmetic_sft, flags, message):
     r = cli_in_process("serve", "--run", arithmetic_sft, *flags)

@@ -342,6 +342,34 @@ def cmd_serve(args, given: dict, parser) -> int:
     if not args.grace >= 0:
         raise MLXLLMError(f"--grace = {args.grace} is invalid: it must be a number of seconds ≥ 0")
     key = args.api_key if args.api_key is not None else os.environ.get("MLX_LLM_API_KEY") or None
+    ray_flags = {"--ray-address": args.ray_address, "--replica-cpus": args.replica_cpus,
+                 "--replica-gpus": args.replica_gpus}
+    if args.replicas is None:
+        given_ray = [flag for flag, value in ray_flags.items() if value is not None]
+        if given_ray:
+            raise MLXLLMError(f"{given_ray[0]} only applies with --replicas N (engines behind Ray Serve)")
+    else:
+        cpus = 1.0 if args.replica_cpus is None else args.replica_cpus
+        gpus = 0.0 if args.replica_gpus is None else args.replica_gpus
+        if args.replicas < 1:
+            raise MLXLLMError(f"--replicas = {args.replicas} is invalid: it must be an integer ≥ 1")
+        if not cpus > 0 or not gpus >= 0:
+            flag, value, rule = ("--replica-cpus", cpus, "> 0") if not cpus > 0 else ("--replica-gpus", gpus, "≥ 0")
+            raise MLXLLMError(f"{flag} = {value:g} is invalid: it must be a number {rule}")
+        if importlib.util.find_spec("ray") is None or importlib.util.find_spec("ray.serve") is None:
+            raise MLXLLMError("--replicas needs Ray Serve (the serve extra: pip install -e '.[serve]')")
+        from mlx_llm.serve.app import servable
+        from mlx_llm.serve.replicas import serve_replicas
+
+        options = dict(step=args.step, name=args.served_name, max_seqs=args.max_seqs, max_len=args.max_len,
+                       page_size=args.page_size, pages=args.pages, token_budget=args.token_budget,
+                       max_top_logprobs=args.max_top_logprobs, warm_up=not args.no_warm_up)
+        servable(args.run, args.step)  # the run, then the kernels, refused here before Ray starts
+        kernels_of(given)  # (each replica resolves them again for its own backend)
+        options["kernels"] = given.get("train", {})
+        return serve_replicas(args.run, replicas=args.replicas, model_options=options, host=args.host,
+                              port=args.port, api_key=key, max_queue=args.max_queue, grace=args.grace,
+                              ray_address=args.ray_address, replica_cpus=cpus, replica_gpus=gpus)
     model = open_model(args.run, step=args.step, name=args.served_name, max_seqs=args.max_seqs,
                        max_len=args.max_len, page_size=args.page_size, pages=args.pages,
                        token_budget=args.token_budget, max_top_logprobs=args.max_top_logprobs,

@@ -228,6 +228,12 @@ def add_serve(sub) -> None:
                     "request first needs it (default: compile them all before serving)")
     sv.add_argument("--grace", type=float, default=30.0, help="seconds SIGTERM lets requests in flight finish "
                     "before aborting them (default %(default)s)")
+    sv.add_argument("--replicas", type=int, help="run N engines, each in its own process, behind Ray Serve "
+                    "(default: one engine in this process, no Ray)")
+    sv.add_argument("--ray-address", help="with --replicas: the Ray cluster to place them on (auto, or HOST:PORT "
+                    "of a `ray start --head` node; default: a local Ray started for this server)")
+    sv.add_argument("--replica-cpus", type=float, help="with --replicas: CPUs Ray reserves for each (default 1)")
+    sv.add_argument("--replica-gpus", type=float, help="with --replicas: GPUs Ray gives each (default 0)")
     add_config_flags(sv, TrainConfig, "train", shown=TrainConfig(), only=KERNEL_FIELDS)
 
 

@@ -30,6 +30,7 @@ from mlx_llm.serve.worker import EngineWorker
 
 MAX_BODY = 2 * 1024 * 1024  # bytes: a context of token ids or messages fits many times over
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+REPLICA_HEADER = "x-mlx-llm-replica"
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 
@@ -73,8 +74,10 @@ class Model:
         return self.tok.decode(np.asarray(ids, np.int32), skip_special=True)
 
 
-def build_app(model: Model, *, api_key: str | None = None, max_queue: int = 256, max_body: int = MAX_BODY):
-    """The FastAPI app serving ``model`` (its engine's thread starts and stops with the app's lifespan)."""
+def build_app(model: Model, *, api_key: str | None = None, max_queue: int = 256, max_body: int = MAX_BODY,
+              replica: str | None = None):
+    """The FastAPI app serving ``model`` (its engine's thread starts and stops with the app's lifespan); with
+    ``replica`` (one of several behind Ray Serve) every response names it in the ``x-mlx-llm-replica`` header."""
     import contextlib
 
     from fastapi import FastAPI, Request
@@ -150,11 +153,15 @@ def build_app(model: Model, *, api_key: str | None = None, max_queue: int = 256,
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
+        response = None
         if api_key is not None and request.url.path != "/health":
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return error(APIError(401, "a valid API key is required: send Authorization: Bearer <key>"))
-        return await call_next(request)
+                response = error(APIError(401, "a valid API key is required: send Authorization: Bearer <key>"))
+        response = response or await call_next(request)
+        if replica is not None:
+            response.headers[REPLICA_HEADER] = replica
+        return response
 
     async def read_json(request: Request):
         size = request.headers.get("content-length")
@@ -216,17 +223,20 @@ def build_app(model: Model, *, api_key: str | None = None, max_queue: int = 256,
 
     async def wait_all(request, jobs, updates):
         left = len(jobs)
-        while left:
-            try:
-                _, update = await asyncio.wait_for(updates.get(), 0.5)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    for job in jobs:
-                        worker.abort(job)
-                    return False
-                continue
-            left -= update is None
-        return True
+        try:
+            while left:
+                try:
+                    _, update = await asyncio.wait_for(updates.get(), 0.5)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        return False
+                    continue
+                left -= update is None
+            return True
+        finally:  # the client went away, or the request was cancelled (Ray Serve's proxy does that on a disconnect)
+            if left:
+                for job in jobs:
+                    worker.abort(job)
 
     async def whole(request, parsed, jobs, updates, rid, made):
         if not await wait_all(request, jobs, updates):
@@ -358,6 +368,16 @@ def serve(model: Model, *, host: str = "127.0.0.1", port: int = 8000, api_key: s
     return 0
 
 
+def servable(run_dir, step: int | None = None):
+    """The run and checkpoint step ``open_model`` would serve, or a one-line refusal (nothing loaded)."""
+    run = as_run(run_dir)
+    run.require_language_model("serve")
+    if run.tcfg.objective != "ar":
+        raise ConfigError(f"{run.path} was trained with objective {run.tcfg.objective!r}: the server decodes "
+                          "next-token (ar) runs")
+    return run, checkpoint_step(run, step)
+
+
 def open_model(run_dir, *, step: int | None = None, name: str | None = None, max_seqs: int = 16,
                max_len: int | None = None, page_size: int = 16, pages: int | None = None, token_budget: int = 512,
                max_top_logprobs: int = protocol.MAX_TOP_LOGPROBS, warm_up: bool = True, kernels=None,
@@ -365,12 +385,7 @@ def open_model(run_dir, *, step: int | None = None, name: str | None = None, max
     """A run's checkpoint on an engine with these capacity settings, ready to ``serve``; with ``warm_up`` every
     program the engine can run is compiled first (no request waits for a compile). A run that records no chat
     template (a pretraining run) is served for completions only, said in one line through ``log``."""
-    run = as_run(run_dir)
-    run.require_language_model("serve")
-    if run.tcfg.objective != "ar":
-        raise ConfigError(f"{run.path} was trained with objective {run.tcfg.objective!r}: the server decodes "
-                          "next-token (ar) runs")
-    ckpt = checkpoint_step(run, step)
+    run, ckpt = servable(run_dir, step)
     tok = tok_lib.load(run.path)
     template = template_for(tok, run_template(run.record)) if tok.chat_template is not None or run.record.template \
         else None
