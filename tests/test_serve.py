@@ -498,6 +498,44 @@ def test_sigterm_finishes_requests_in_flight_then_exits_0(server):
         httpx.get(server.root + "/health", timeout=5)
 
 
+@slow
+def test_sigterm_aborts_what_is_left_when_the_grace_runs_out(arithmetic_sft):
+    """--grace 1 with 24 streams of 60 tokens on one engine row (seconds of decoding): SIGTERM once the first
+    token is out, and a second later the streams still open are cut (no [DONE]) and the process exits 0 — it does
+    not wait for them."""
+    live = start(arithmetic_sft, "--max-seqs", "1", "--grace", "1")
+    try:
+        name, ended = local_name(live), []
+        first = threading.Barrier(2)
+
+        def stream(i):
+            try:
+                with httpx.stream("POST", live.root + "/v1/completions", timeout=120, headers={
+                        "Authorization": f"Bearer {KEY}"}, json={"model": name, "prompt": "1", "max_tokens": 60,
+                                                                  "ignore_eos": True, "stream": True}) as r:
+                    lines = (line for line in r.iter_lines() if line)
+                    got = [next(lines)]
+                    if i == 0:
+                        first.wait()  # a token is out: the engine is decoding
+                    ended.append(got + list(lines))
+            except httpx.HTTPError:
+                ended.append(None)  # cut before or while streaming
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(24)]
+        for t in threads:
+            t.start()
+        first.wait()
+        live.proc.send_signal(signal.SIGTERM)
+        assert live.proc.wait(60) == 0
+        for t in threads:
+            t.join(60)
+        done = [s for s in ended if s is not None and s[-1] == "data: [DONE]"]
+        assert len(ended) == 24 and len(done) < 24  # (seconds of decoding were left: the grace cut them)
+    finally:
+        if live.proc.poll() is None:
+            live.proc.kill()
+        live.proc.wait(30)
+
+
 # ----- in process -------------------------------------------------------------------------------------------
 @slow
 def test_a_run_without_a_chat_template_serves_completions_only(arithmetic_sft, tmp_path):
