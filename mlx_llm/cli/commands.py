@@ -342,6 +342,7 @@ def cmd_serve(args, given: dict, parser) -> int:
     if not args.grace >= 0:
         raise MLXLLMError(f"--grace = {args.grace} is invalid: it must be a number of seconds ≥ 0")
     key = args.api_key if args.api_key is not None else os.environ.get("MLX_LLM_API_KEY") or None
+    cache = cache_directory(RunOptions(**given.get("run", {})))  # the engine's programs, as training's
     ray_flags = {"--ray-address": args.ray_address, "--replica-cpus": args.replica_cpus,
                  "--replica-gpus": args.replica_gpus}
     if args.replicas is None:
@@ -369,12 +370,16 @@ def cmd_serve(args, given: dict, parser) -> int:
         options["kernels"] = given.get("train", {})
         return serve_replicas(args.run, replicas=args.replicas, model_options=options, host=args.host,
                               port=args.port, api_key=key, max_queue=args.max_queue, grace=args.grace,
-                              ray_address=args.ray_address, replica_cpus=cpus, replica_gpus=gpus)
-    model = open_model(args.run, step=args.step, name=args.served_name, max_seqs=args.max_seqs,
-                       max_len=args.max_len, page_size=args.page_size, pages=args.pages,
-                       token_budget=args.token_budget, max_top_logprobs=args.max_top_logprobs,
-                       warm_up=not args.no_warm_up, kernels=kernels_of(given))
-    return serve(model, host=args.host, port=args.port, api_key=key, max_queue=args.max_queue, grace=args.grace)
+                              ray_address=args.ray_address, replica_cpus=cpus, replica_gpus=gpus,
+                              jax_config={} if cache is None else {"jax_compilation_cache_dir": cache,
+                                                                     **COMPILATION_CACHE_SETTINGS})
+    with compilation_cache(cache):
+        model = open_model(args.run, step=args.step, name=args.served_name, max_seqs=args.max_seqs,
+                           max_len=args.max_len, page_size=args.page_size, pages=args.pages,
+                           token_budget=args.token_budget, max_top_logprobs=args.max_top_logprobs,
+                           warm_up=not args.no_warm_up, kernels=kernels_of(given))
+        return serve(model, host=args.host, port=args.port, api_key=key, max_queue=args.max_queue,
+                     grace=args.grace)
 
 
 # ----- fine-tuning and preference runs ------------------------------------------------------------------------

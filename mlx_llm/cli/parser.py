@@ -235,6 +235,7 @@ def add_serve(sub) -> None:
     sv.add_argument("--replica-cpus", type=float, help="with --replicas: CPUs Ray reserves for each (default 1)")
     sv.add_argument("--replica-gpus", type=float, help="with --replicas: GPUs Ray gives each (default 0)")
     add_config_flags(sv, TrainConfig, "train", shown=TrainConfig(), only=KERNEL_FIELDS)
+    add_config_flags(sv, RunOptions, "run", only=["compilation_cache"])
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -26,7 +26,11 @@ __all__ = ["REPLICA_HEADER", "Replica", "serve_replicas"]
 class Replica:
     """One engine replica (Ray Serve constructs it in its actor process; the app is built once it is loaded)."""
 
-    def __init__(self, run_dir: str, model_options: dict, api_key, max_queue: int):
+    def __init__(self, run_dir: str, model_options: dict, api_key, max_queue: int, jax_config: dict):
+        import jax
+
+        for name, value in jax_config.items():  # before the first compile: the CLI's compilation cache
+            jax.config.update(name, value)
         kernels = Kernels(**{"attention_impl": "auto", "moe_impl": "auto", "loss_chunk": "auto",
                              **model_options.get("kernels", {})}).resolve()  # for this replica's backend
         self.model = open_model(run_dir, **{**model_options, "kernels": kernels})
@@ -72,10 +76,12 @@ def reach(address: str) -> None:
 def serve_replicas(run_dir, *, replicas: int, model_options: dict, host: str = "127.0.0.1", port: int = 8000,
                    api_key: str | None = None, max_queue: int = 256, grace: float = 30.0,
                    ray_address: str | None = None, replica_cpus: float = 1.0, replica_gpus: float = 0.0,
-                   log=print) -> int:
+                   jax_config: dict | None = None, log=print) -> int:
     """Serve the run with ``replicas`` engines until SIGTERM or Ctrl-C; prints the URL once every replica is
     loaded (and, unless ``model_options`` says ``warm_up=False``, compiled). ``model_options`` are
-    ``open_model``'s, with ``kernels`` the unresolved kernel settings (each replica resolves them). Returns 0."""
+    ``open_model``'s, with ``kernels`` the unresolved kernel settings (each replica resolves them);
+    ``jax_config``: ``jax.config`` settings each replica applies before it compiles (the CLI passes its
+    persistent compilation cache's; on a cluster, a directory every node shares). Returns 0."""
     import logging
 
     import ray
@@ -120,8 +126,8 @@ def serve_replicas(run_dir, *, replicas: int, model_options: dict, host: str = "
             max_ongoing_requests=rows + max_queue + 8, max_queued_requests=max_queue * replicas,
             graceful_shutdown_timeout_s=grace, graceful_shutdown_wait_loop_s=min(grace, 2.0),
             health_check_period_s=10, health_check_timeout_s=60)
-        serve.run(deployment.bind(str(run_dir), options, api_key, max_queue), name=APP_NAME, route_prefix="/",
-                  logging_config=quiet)
+        app = deployment.bind(str(run_dir), options, api_key, max_queue, dict(jax_config or {}))
+        serve.run(app, name=APP_NAME, route_prefix="/", logging_config=quiet)
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
