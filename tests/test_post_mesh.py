@@ -1,4 +1,4 @@
-"""The one training loop for every run kind: reward, DPO and every RL estimator (full and LoRA) on a 2-device mesh
+"""The one training loop for every run kind: reward, DPO and every RL estimator (and LoRA) on a 2-device mesh
 (`--mesh data=2`) with gradient accumulation give the losses of one device; `--eval-tokens` changes what
 post-training evaluates."""
 
@@ -20,7 +20,9 @@ REPO = Path(__file__).resolve().parents[1]
 RL = ["rl", "--task", "arithmetic", "--train-examples", "16", "--batch-size", "2", "--k", "2", "--eval-examples", "2",
       "--lr", "1e-4"]
 # every estimator, each with its own defaults (the KL in the reward or the loss, each loss aggregation, dapo's
-# dynamic sampling, gspo's sequence ratio), trained in full and as LoRA adapters; ppo in minibatches of the rollout
+# dynamic sampling, gspo's sequence ratio), trained in full; ppo in minibatches of the rollout. LoRA adapters (a
+# trainable tree of another shape: what the mesh shards and accumulation sums) with a token-mean estimator and ppo
+# — the estimators' losses do not depend on which tree trains, so the other four add no case
 ESTIMATOR = {a: ["--algorithm", a] for a in RL_ALGORITHMS} | {
     "ppo": ["--algorithm", "ppo", "--epochs", "2", "--minibatches", "2", "--batch-size", "4"]}
 LORA = ["--lora-rank", "2", "--lora-alpha", "4"]
@@ -28,7 +30,7 @@ KINDS = {"reward": ["reward", "--task", "arithmetic", "--train-examples", "64", 
          "dpo": ["dpo", "--task", "arithmetic", "--train-examples", "64", "--batch-size", "4", "--eval-examples", "2",
                  "--beta", "0.5"],
          **{f"rl_{a}": [*RL, *flags] for a, flags in ESTIMATOR.items()},
-         **{f"rl_{a}_lora": [*RL, *flags, *LORA] for a, flags in ESTIMATOR.items()}}
+         **{f"rl_{a}_lora": [*RL, *ESTIMATOR[a], *LORA] for a in ("grpo", "ppo")}}
 COMMON = ["--steps", "2", "--warmup-steps", "1", "--seq-len", "64", "--eval-interval", "2", "--log-interval", "1",
           "--no-progress"]
 SCRIPT = """
