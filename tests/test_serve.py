@@ -417,8 +417,8 @@ def same_reply(got, want, path="reply"):
 
 @slow
 def test_two_replicas_behind_ray_serve_share_the_requests_and_answer_as_one_engine(server, arithmetic_sft):
-    """--replicas 2: Ray Serve's proxy spreads 16 concurrent requests over both engines (each response names its
-    replica); every reply — greedy chat and completions, seeded n = 2 draws, log-probs, token ids — is the
+    """--replicas 2: Ray Serve's proxy spreads waves of 16 concurrent requests over both engines (each response
+    names its replica); every reply — greedy chat and completions, seeded n = 2 draws, log-probs, token ids — is the
     single server's for the same body; errors are still OpenAI's JSON; SIGTERM drains and exits 0."""
     live = start(arithmetic_sft, "--max-seqs", "8", "--replicas", "2", "--grace", "30")
     try:
@@ -435,13 +435,20 @@ def test_two_replicas_behind_ray_serve_share_the_requests_and_answer_as_one_engi
             async with httpx.AsyncClient(timeout=300, headers={"Authorization": f"Bearer {KEY}"}) as h:
                 return await asyncio.gather(*[h.post(root + path, json=body) for path, body in bodies])
 
-        replicated = asyncio.run(ask(live.root))
+        # Ray's router skips a replica whose queue-length probe is slow (one compiling its first programs on a
+        # loaded machine): a fresh concurrent wave of the same requests, up to 4, until both have answered
         single = [server.post(path, body) for path, body in bodies]
-        assert [r.status_code for r in replicated] == [200] * len(bodies)
-        assert len({r.headers["x-mlx-llm-replica"] for r in replicated}) == 2
         assert "x-mlx-llm-replica" not in single[0].headers
-        for got, want in zip(replicated, single):  # the same tokens; log-probs to the engine's tolerance (a
-            same_reply(got.json(), want.json())      # batch of other rows changes a matmul's rounding)
+        seen = set()
+        for wave in range(4):
+            replicated = asyncio.run(ask(live.root))
+            assert [r.status_code for r in replicated] == [200] * len(bodies)
+            seen |= {r.headers["x-mlx-llm-replica"] for r in replicated}
+            for got, want in zip(replicated, single):  # the same tokens; log-probs to the engine's tolerance (a
+                same_reply(got.json(), want.json())      # batch of other rows changes a matmul's rounding)
+            if len(seen) == 2:
+                break
+        assert len(seen) == 2
         bad = live.post("/v1/completions", {"model": name, "prompt": "1", "temperature": -1})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "temperature"
         assert live.post("/v1/completions", {"model": name, "prompt": "1"}, key="wrong").status_code == 401
