@@ -330,19 +330,25 @@ def build_app(model: Model, *, api_key: str | None = None, max_queue: int = 256,
     return app
 
 
-def serve(model: Model, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          max_queue: int = 256, grace: float = 30.0, log=print) -> int:
-    """Serve ``model`` until SIGTERM or Ctrl-C; prints the URL once the socket listens. Returns 0."""
-    import uvicorn
-
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+def bound_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host``:``port`` (0: a free port), or a one-line refusal naming them."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
     except OSError as err:
         sock.close()
         raise ConfigError(f"cannot listen on {host}:{port}: {err.strerror}") from None
+    return sock
+
+
+def serve(model: Model, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          max_queue: int = 256, grace: float = 30.0, log=print) -> int:
+    """Serve ``model`` until SIGTERM or Ctrl-C; prints the URL once the socket listens. Returns 0."""
+    import uvicorn
+
+    sock = bound_socket(host, port)
+    family = sock.family
     sock.listen(2048)
     bound = sock.getsockname()[1]
     app = build_app(model, api_key=api_key, max_queue=max_queue)

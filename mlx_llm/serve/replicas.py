@@ -17,7 +17,7 @@ import time
 
 from mlx_llm.errors import ConfigError
 from mlx_llm.kernels import Kernels
-from mlx_llm.serve.app import REPLICA_HEADER, build_app, open_model, servable
+from mlx_llm.serve.app import REPLICA_HEADER, bound_socket, build_app, open_model, servable
 
 APP_NAME = "mlx_llm"
 __all__ = ["REPLICA_HEADER", "Replica", "serve_replicas"]
@@ -41,24 +41,11 @@ class Replica:
         return build_app(self.model, api_key=self.api_key, max_queue=self.max_queue, replica=self.name)
 
 
-def free_port(host: str) -> int:
-    """A port free on ``host`` now (Ray's proxy binds the port itself, so it cannot be handed a socket)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind((host, 0))
-        except OSError as err:
-            raise ConfigError(f"cannot listen on {host}: {err.strerror}") from None
+def free_port(host: str, port: int) -> int:
+    """``port`` (0: one free now) after checking it can be bound on ``host``; Ray's proxy binds it itself, so it
+    cannot be handed the socket."""
+    with bound_socket(host, port) as sock:
         return sock.getsockname()[1]
-
-
-def check_port(host: str, port: int) -> None:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind((host, port))
-        except OSError as err:
-            raise ConfigError(f"cannot listen on {host}:{port}: {err.strerror}") from None
 
 
 def reach(address: str) -> None:
@@ -94,8 +81,7 @@ def serve_replicas(run_dir, *, replicas: int, model_options: dict, host: str = "
             raise ConfigError(f"--replicas {replicas} × --replica-cpus {replica_cpus:g} needs "
                               f"{replicas * replica_cpus:g} CPUs; this machine has {cores} (lower --replica-cpus, "
                               "e.g. 0.5, to share them)")
-        port = free_port(host) if port == 0 else port
-        check_port(host, port)
+        port = free_port(host, port)
     else:
         if port == 0:
             raise ConfigError("--port 0 needs a local Ray (the cluster's proxies bind on every node): give a port")
